@@ -1,0 +1,78 @@
+"""Atomic file and directory writes: readers see the old state or the new one, never a partial one.
+
+Everything graft publishes (adapters, merged models, configs) goes through here, so that a crash or
+an exception at any instant leaves no half-written file behind at the target path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then the directories, so a rename publishes durable data."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of `target` to fill; on success fsync it and rename it into place.
+
+    On an exception the temporary directory is removed and `target` is left as it was.
+
+    Raises:
+        ValueError: `target` exists and is not empty, and `overwrite` is False.
+    """
+    target = Path(target)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"{target} already exists and is not empty")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if target.exists():
+            # rename() cannot replace a non-empty directory: move the old one aside first.
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / target.name)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a fsynced temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

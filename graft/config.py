@@ -1,0 +1,331 @@
+"""The typed config tree of a graft run: one pydantic model per YAML section, plus loading.
+
+A run is described by one YAML file plus dotted command-line overrides (`lora.rank=16`). Every
+mistake a user can make here (unknown key, wrong type, out-of-range value, settings that cannot
+work together) raises `ConfigError` before anything expensive starts, with one message that names
+the full dotted key, e.g. `unknown config key 'lora.rnak' (in run.yaml)`.
+
+Override values are parsed as YAML, so `16` is an int, `true` a bool, `[q_proj,v_proj]` a list
+and `all-linear` a string. `key=` with nothing after `=` sets the key to null, as an empty YAML
+value does (`key=''` gives the empty string). A section that is null in the file (all its keys
+commented out) means that section's defaults.
+"""
+
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# vLLM rejects any other --max-lora-rank at server start.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message names the dotted key(s) at fault."""
+
+
+class _Section(BaseModel):
+    """Base of every config model: a misspelt key is an error, never silently ignored.
+
+    No `__init__` override turns pydantic's ValidationError into ConfigError here: pydantic would
+    then call it for nested sections and lose the key path. `load_config` does the conversion.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _module_list(value: Any, allow_all_linear: bool) -> Any:
+    """Normalise a module-name setting: a plain string is ONE module name, never its characters."""
+    if isinstance(value, str):
+        return value if allow_all_linear and value == "all-linear" else [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"must be a module name or a list of module names (got {value!r})")
+    if allow_all_linear and not value:
+        raise ValueError("must not be an empty list (use 'all-linear' to adapt every linear layer)")
+    return value
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="Hugging Face model directory (or hub id) of the frozen base model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the frozen base weights; the LoRA adapter trains in float32."
+    )
+
+
+class LoraConfig(_Section):
+    name: str = Field(
+        "graft", description="Adapter name; engines see versions as '<name>-v<N>'. The single source of that name."
+    )
+    rank: int = Field(8, ge=1, description="LoRA rank r (inner dimension of the A/B factors).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on the LoRA input path.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="Modules to adapt: 'all-linear' or module names (a single name is allowed)."
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list, description="Module names never adapted, even if target_modules matches them."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _ADAPTER_NAME_RE.match(v):
+            raise ValueError(f"must match {_ADAPTER_NAME_RE.pattern} to be a valid engine adapter name (got {v!r})")
+        return v
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _check_targets(cls, v: Any) -> Any:
+        return _module_list(v, allow_all_linear=True)
+
+    @field_validator("exclude_modules", mode="before")
+    @classmethod
+    def _check_excludes(cls, v: Any) -> Any:
+        return _module_list(v, allow_all_linear=False)
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "sglang", "reference"] = Field(
+        "vllm", description="Inference engine that samples rollouts; 'reference' is the in-process HF sampler."
+    )
+    urls: list[str] = Field(
+        default_factory=list, description="Base URLs of running inference servers; empty = graft launches its own."
+    )
+    launch: bool = Field(True, description="Whether graft may start the inference server itself.")
+    max_loras: int = Field(4, ge=1, description="Adapter slots on the server (vLLM --max-loras).")
+    max_lora_rank: int = Field(16, description="Largest adapter rank the server accepts (vLLM --max-lora-rank).")
+    n_samples: int = Field(8, ge=1, description="Completions sampled per prompt (the group size G).")
+    max_new_tokens: int = Field(32, ge=1, description="Maximum tokens generated per completion.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_staleness: int = Field(
+        0, ge=0, description="How many policy versions rollouts may lag the trainer; 0 = fully on-policy."
+    )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_max_lora_rank(cls, v: int) -> int:
+        if v not in VLLM_LORA_RANKS:
+            raise ValueError(f"must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's allowed values), got {v}")
+        return v
+
+
+class SyncConfig(_Section):
+    mode: Literal["adapter", "merged", "full", "auto"] = Field(
+        "adapter", description="What is pushed to the engine: the LoRA adapter, merged weights, or full weights."
+    )
+    dir: str | None = Field(None, description="Directory for pushed weight versions; null = RUN_DIR/weights.")
+    keep_versions: Literal["auto"] | int = Field(
+        "auto", description="Adapter versions kept loaded on the server; auto = max_staleness + 2, 0 = never unload."
+    )
+    verify: bool = Field(True, description="Check after each push that the engine serves exactly the trained weights.")
+
+    @field_validator("keep_versions", mode="before")
+    @classmethod
+    def _check_keep_versions(cls, v: Any) -> Any:
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"must be 'auto' or an integer >= 0 (got {v!r})")
+        return v
+
+    def resolved_keep_versions(self, max_staleness: int) -> int:
+        """Versions to keep loaded: `auto` keeps every version a stale rollout may still use, plus
+        the one being pushed and one of slack (max_staleness + 2). 0 means keep all, never unload."""
+        return max_staleness + 2 if self.keep_versions == "auto" else self.keep_versions
+
+
+class TrainConfig(_Section):
+    steps: int = Field(20, ge=1, description="Optimizer steps (one rollout batch each).")
+    batch_prompts: int = Field(8, ge=1, description="Prompts per step; each gets rollout.n_samples completions.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen base; 0 = off.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range epsilon.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How per-token losses are averaged into the batch loss."
+    )
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and LoRA init.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+
+
+class DataConfig(_Section):
+    task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
+    path: str | None = Field(None, description="JSONL file of training prompts; replaces data.task.")
+    eval_path: str | None = Field(None, description="JSONL file of held-out prompts; null = no eval set.")
+    reward: str = Field("exact_numeric", description="Name of the reward function that scores completions.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_replaces_default_task(cls, data: Any) -> Any:
+        # Setting only data.path means "train on this file": the default task steps aside.
+        if isinstance(data, dict) and data.get("path") is not None and "task" not in data:
+            return {**data, "task": None}
+        return data
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "DataConfig":
+        if self.task is not None and self.path is not None:
+            raise ConfigError(
+                f"data.task ({self.task!r}) and data.path ({self.path!r}) are both set: "
+                "set data.task to null to train on the file"
+            )
+        if self.task is None and self.path is None:
+            raise ConfigError("data.task and data.path are both null: set one of them")
+        return self
+
+
+class DistConfig(_Section):
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
+    )
+
+
+class GraftConfig(_Section):
+    """The whole run. Every section has defaults, so `GraftConfig()` is a valid (tiny) run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Frozen base model.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The trained LoRA adapter.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Inference engine and sampling.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync from trainer to engine.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and RL loss.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts and reward.")
+    dist: DistConfig = Field(default_factory=DistConfig, description="Distributed training.")
+
+    @model_validator(mode="after")
+    def _check_engine_can_serve(self) -> "GraftConfig":
+        if self.sync.mode not in ("adapter", "auto"):
+            return self  # merged/full pushes base-shaped weights; the server's LoRA limits do not apply
+        if self.lora.rank > self.rollout.max_lora_rank:
+            raise ConfigError(
+                f"lora.rank ({self.lora.rank}) exceeds rollout.max_lora_rank ({self.rollout.max_lora_rank}): "
+                f"the server would reject the adapter with sync.mode={self.sync.mode!r}; "
+                "raise rollout.max_lora_rank or use sync.mode=merged"
+            )
+        keep = self.sync.resolved_keep_versions(self.rollout.max_staleness)
+        if keep != 0 and keep > self.rollout.max_loras:
+            shown = (
+                f"auto = rollout.max_staleness + 2 = {keep}" if self.sync.keep_versions == "auto" else str(keep)
+            )
+            raise ConfigError(
+                f"sync.keep_versions ({shown}) exceeds rollout.max_loras ({self.rollout.max_loras}): "
+                "each kept version holds an adapter slot on the server; raise rollout.max_loras "
+                "or lower sync.keep_versions"
+            )
+        return self
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
+
+
+def _format_errors(e: ValidationError, file: str | None, overrides: Sequence[str]) -> str:
+    """One line per pydantic error, pydantic boilerplate removed, each naming its full dotted key
+    and where the value came from (an override, else the file)."""
+    lines = []
+    for err in e.errors(include_url=False):
+        key = _dotted(err["loc"])
+        cause = err.get("ctx", {}).get("error")
+        if err["type"] == "extra_forbidden":
+            line = f"unknown config key '{key}'"
+        elif isinstance(cause, ConfigError):  # cross-field checks already name their keys
+            line = str(cause)
+        elif cause is not None:  # ValueError from a field validator
+            line = f"{key}: {cause}"
+        else:
+            got = repr(err["input"])
+            line = f"{key}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})"
+        if not isinstance(cause, ConfigError):  # say where the bad value came from; last override wins
+            origin = next((o for o in reversed(overrides) if _override_covers(o, key)), None)
+            if origin is not None:
+                line += f" (from override '{origin}')"
+            elif file is not None:
+                line += f" (in {file})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _override_covers(override: str, key: str) -> bool:
+    okey = override.split("=", 1)[0].strip()
+    return key == okey or key.startswith(okey + ".") or key.startswith(okey + "[")
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `dotted.key=value` in the nested dict, creating missing sections on the way."""
+    key, sep, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"bad override {override!r}: expected dotted.key=value, e.g. lora.rank=16")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"bad override {override!r}: value is not valid YAML ({e})") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            path = ".".join(parts[: i + 1])
+            raise ConfigError(f"bad override {override!r}: '{path}' is {node[part]!r}, not a section of keys")
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> GraftConfig:
+    """Build the run config from an optional YAML file, then dotted overrides (which win).
+
+    Args:
+        path: YAML file; None = defaults only.
+        overrides: `dotted.key=value` strings; values parsed as YAML, `key=` sets null.
+
+    Raises:
+        ConfigError: missing/unparsable file, malformed override, unknown key, bad value, or
+            settings that cannot work together.
+    """
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if v is not None}  # `lora:` with nothing under it = defaults
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return GraftConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, None if path is None else str(path), overrides)) from None
+
+
+def config_to_yaml(cfg: GraftConfig) -> str:
+    """The config as YAML, sections and keys in declaration order, every value explicit."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: GraftConfig, path: str | Path) -> None:
+    """Write `cfg` as YAML atomically (temp file in the same directory, then os.replace), so a
+    crash never leaves a half-written config next to a run's checkpoints."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(config_to_yaml(cfg))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

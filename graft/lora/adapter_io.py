@@ -1,0 +1,244 @@
+"""LoRA adapters on disk in PEFT's format: `adapter_model.safetensors` + `adapter_config.json`.
+
+What we write loads with `peft.PeftModel.from_pretrained` and in vLLM; what PEFT writes loads here.
+Loading is strict: every file-level and tensor-level problem is found before any weight is copied,
+so a bad adapter never leaves a model half-updated. Weights are never pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import peft
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from graft.atomic import atomic_dir
+from graft.lora.attach import ADAPTER_NAME, check_target_modules, lora_modules, lora_parameters
+from graft.models.loading import model_dtype
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt")
+# PEFT options that change what the adapter computes and that graft's merge and vLLM do not implement.
+_UNSUPPORTED = ("use_dora", "modules_to_save", "lora_bias", "layer_replication", "target_parameters")
+
+
+class AdapterError(ValueError):
+    """A LoRA adapter directory that cannot be used, with the file or tensor at fault named."""
+
+
+def peft_key(param_name: str) -> str:
+    """Training parameter name -> PEFT's saved key (the adapter name segment is dropped)."""
+    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def is_peft_adapter(path: str | os.PathLike) -> bool:
+    """True when `path` holds a PEFT LoRA adapter graft can load (config says LORA, safetensors present)."""
+    path = Path(path)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("peft_type") == "LORA" and (path / ADAPTER_WEIGHTS).is_file()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a possibly FSDP2-sharded (DTensor) parameter; a collective on DTensors."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names, gathered whole, contiguous, in `dtype`.
+
+    Only LoRA tensors are gathered, so under FSDP2 this moves megabytes, not the base model. Every
+    rank must call it (the gather is a collective).
+    """
+    dtype = dtype or model_dtype(model)  # the base's dtype: what the engine serves
+    return {peft_key(name): _full(param.detach()).to(device="cpu", dtype=dtype).contiguous()
+            for name, param in lora_parameters(model).items()}
+
+
+def _short_target_modules(model: peft.PeftModel) -> list[str] | None:
+    """Leaf names (`q_proj`, ...) when they select exactly the adapted modules, else None.
+
+    PEFT resolves "all-linear" to full module paths; the leaf names are what people and serving
+    engines expect to read, and they mean the same set whenever no same-named module was left out.
+    """
+    inner = model.get_base_model()
+    adapted = {name for name, _ in lora_modules(inner)}
+    leaves = {name.rsplit(".", 1)[-1] for name in adapted}
+    selected = {name for name, _ in inner.named_modules() if name.rsplit(".", 1)[-1] in leaves}
+    return sorted(leaves) if selected == adapted else None
+
+
+def adapter_config_dict(model: peft.PeftModel, base_model_name_or_path: str | None = None) -> dict:
+    """PEFT's own `LoraConfig` as JSON (so every field PEFT and vLLM read is present), for inference."""
+    config = model.peft_config[ADAPTER_NAME].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    config["target_modules"] = _short_target_modules(model) or config["target_modules"]
+    config["inference_mode"] = True
+    if base_model_name_or_path is not None:
+        config["base_model_name_or_path"] = str(base_model_name_or_path)
+    return config
+
+
+def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+    """Write the adapter in PEFT format, atomically. Works on an FSDP2-sharded model.
+
+    Args:
+        dtype: dtype of the saved tensors; default the base model's dtype (what the engine serves).
+        base_model_name_or_path: recorded in adapter_config.json; default the model's own.
+        overwrite: replace an existing non-empty `out_dir`.
+
+    Under torch.distributed every rank must call this; only rank 0 writes.
+    """
+    tensors = adapter_state_dict(model, dtype)
+    out_dir = Path(out_dir)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return out_dir
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        safetensors.torch.save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        config = adapter_config_dict(model, base_model_name_or_path)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def read_adapter_config(path: str | os.PathLike) -> dict:
+    """The parsed adapter_config.json of a LoRA adapter graft supports.
+
+    Raises:
+        AdapterError: not a directory, no config, unreadable JSON, not LoRA, or an unsupported option.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not a directory, so not a PEFT adapter")
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise AdapterError(f"{path} is not a PEFT adapter directory: {ADAPTER_CONFIG} is missing")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise AdapterError(f"{config_file}: invalid JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise AdapterError(f"{config_file}: peft_type is {config.get('peft_type') if isinstance(config, dict) else None!r}, "
+                           "graft loads LORA adapters only")
+    used = [k for k in _UNSUPPORTED if config.get(k)]
+    if used:
+        raise AdapterError(f"{config_file}: unsupported LoRA option(s) {', '.join(used)}")
+    return config
+
+
+def read_adapter_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, checked to be readable, floating point and finite.
+
+    Raises:
+        AdapterError: missing or pickled weights file, corrupt safetensors, NaN/inf or non-float tensor.
+    """
+    path = Path(path)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickled = [n for n in _PICKLED_WEIGHTS if (path / n).exists()]
+        if pickled:
+            raise AdapterError(f"{path / pickled[0]}: pickled weights are not loaded (safetensors only); "
+                               f"re-save the adapter with safe_serialization=True")
+        raise AdapterError(f"{path} is not a PEFT adapter directory: {ADAPTER_WEIGHTS} is missing")
+    try:
+        tensors = safetensors.torch.load_file(weights)
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise AdapterError(f"corrupt safetensors file {weights}: {e}") from None
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{weights}: tensor {key} has dtype {tensor.dtype}, expected floating point")
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{weights}: tensor {key} contains NaN or infinite values")
+    return tensors
+
+
+def _check_hyperparameters(model: peft.PeftModel, config: dict, path: Path) -> None:
+    """Same tensors with another rank/alpha would compute a different function: refuse."""
+    ours = adapter_config_dict(model)
+    for key in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern"):
+        theirs = config.get(key, ours[key])
+        if theirs != ours[key] and not (isinstance(theirs, int | float) and math.isclose(theirs, ours[key])):
+            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key} is {theirs!r} but the model's adapter has {ours[key]!r}")
+
+
+def _summarise(keys: set[str], limit: int = 4) -> str:
+    listed = sorted(keys)
+    more = f" and {len(listed) - limit} more" if len(listed) > limit else ""
+    return ", ".join(listed[:limit]) + more
+
+
+def load_adapter_weights(model: peft.PeftModel, path: str | os.PathLike) -> None:
+    """Copy an adapter's weights into `model`'s LoRA parameters, strictly.
+
+    All checks run before the first copy, so on error the model is unchanged.
+
+    Raises:
+        AdapterError: see `read_adapter_config` and `read_adapter_tensors`; rank or alpha differ from
+            the model's; a LoRA tensor is missing or unexpected; a shape differs from the module's.
+    """
+    path = Path(path)
+    _load_checked(model, path, read_adapter_config(path), read_adapter_tensors(path))
+
+
+def _load_checked(model: peft.PeftModel, path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    _check_hyperparameters(model, config, path)
+    params = {peft_key(n): p for n, p in lora_parameters(model).items()}
+    missing, unexpected = params.keys() - tensors.keys(), tensors.keys() - params.keys()
+    if missing:
+        raise AdapterError(f"{path}: missing {len(missing)} LoRA tensor(s): {_summarise(missing)}")
+    if unexpected:
+        raise AdapterError(f"{path}: {len(unexpected)} unexpected tensor(s) the model has no LoRA "
+                           f"parameter for: {_summarise(unexpected)}")
+    for key, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(params[key].shape):
+            module, which = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+            raise AdapterError(f"{path}: shape mismatch for module {module} ({which}): adapter has "
+                               f"{tuple(tensor.shape)}, the base model needs {tuple(params[key].shape)}")
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            _copy_into(params[key], tensor)
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """param <- full, where param may be an FSDP2 shard (DTensor) of `full`."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements)
+    param.copy_(full)
+
+
+def load_adapter(base_model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) -> peft.PeftModel:
+    """Attach the adapter at `path` to `base_model` (its own LoRA config) and load its weights strictly.
+
+    On error `base_model` is left without LoRA layers, as it was.
+
+    Raises:
+        AdapterError: the adapter is unusable (see `load_adapter_weights`) or names a target module
+            the base model lacks.
+    """
+    path = Path(path)
+    config = read_adapter_config(path)
+    tensors = read_adapter_tensors(path)  # file-level problems first, before the base model is touched
+    try:
+        check_target_modules(base_model, config.get("target_modules") or [], config.get("exclude_modules") or ())
+    except ValueError as e:
+        raise AdapterError(f"{path / ADAPTER_CONFIG}: {e}") from None
+    lora_config = peft.LoraConfig.from_pretrained(str(path))
+    lora_config.inference_mode = not trainable
+    model = peft.get_peft_model(base_model, lora_config, adapter_name=ADAPTER_NAME)
+    try:
+        _load_checked(model, path, config, tensors)
+    except AdapterError:
+        model.unload()
+        raise
+    return model

@@ -1,0 +1,95 @@
+"""Write base + LoRA as a standalone HF model: merged safetensors shards, config and tokenizer.
+
+The output loads with `AutoModelForCausalLM` and is a valid source for a vLLM weight reload.
+Tensors are streamed from `iter_merged_weights` into shards, so memory stays bounded by a shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import peft
+import safetensors.torch
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from graft.atomic import atomic_dir
+from graft.lora.adapter_io import load_adapter
+from graft.lora.merge import iter_merged_weights
+from graft.models.loading import load_model, model_dtype, resolve_dtype
+
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path,
+                             max_shard_bytes: int = 2 << 30) -> int:
+    """Write tensors as HF-style shards (`model.safetensors`, or numbered shards + index). Returns bytes.
+
+    A shard is flushed as soon as it reaches `max_shard_bytes`, so at most one shard is held in memory.
+    """
+    shards: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        safetensors.torch.save_file(shard, out_dir / f"shard-{len(shards):05d}.tmp", metadata={"format": "pt"})
+        shards.append(list(shard))
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[name] = tensor.contiguous()
+        shard_bytes += size
+        total_bytes += size
+    if shard or not shards:
+        flush()
+    if len(shards) == 1:
+        os.replace(out_dir / "shard-00000.tmp", out_dir / "model.safetensors")
+        return total_bytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out_dir / f"shard-{i:05d}.tmp", out_dir / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return total_bytes
+
+
+def save_merged_model(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                      tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
+    """Write `model` with its adapter merged as a plain HF checkpoint, atomically. Returns weight bytes."""
+    dtype = dtype or model_dtype(model)
+    config = model.get_base_model().config
+    with atomic_dir(out_dir) as tmp:
+        total = write_safetensors_shards(iter_merged_weights(model, dtype), tmp, max_shard_bytes)
+        config = config.__class__.from_dict(config.to_dict())
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        generation_config = getattr(model.get_base_model(), "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        if tokenizer_source is not None and (Path(tokenizer_source) / "tokenizer_config.json").is_file():
+            AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(tmp)
+    return total
+
+
+def export_merged(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os.PathLike,
+                  dtype: str | None = None) -> int:
+    """`graft export`: base model dir + PEFT adapter dir -> standalone merged model dir.
+
+    The base is loaded in fp32 so the merge sums in full precision whatever the output dtype.
+    Raises `AdapterError`/`ValueError` before anything is written at `out_dir`.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"--out {out_dir} already exists and is not empty")
+    out_dtype = resolve_dtype(dtype) if dtype else AutoConfig.from_pretrained(str(base)).dtype
+    model = load_adapter(load_model(base, dtype="float32"), adapter)
+    return save_merged_model(model, out_dir, dtype=out_dtype, tokenizer_source=base)

@@ -1,0 +1,70 @@
+"""Merge LoRA into base weights without drift: new tensors, fp32 math, one rounding.
+
+PEFT merges in place (`W += s·B@A`) and unmerges by subtracting; in bf16 each step rounds, so the
+base drifts a little more with every sync cycle. Here the base is only read: every merged weight is
+a new tensor `round(W + s·B@A)` with the sum formed in fp32 and rounded once to the output dtype,
+so any number of merges leaves the base bit-identical and every merge gives the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import peft
+import torch
+from peft.tuners.lora import LoraLayer
+
+from graft.models.loading import model_dtype
+from graft.lora.attach import ADAPTER_NAME
+
+
+def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`weight + scaling · lora_B @ lora_A` as a new tensor of `dtype` (default weight's dtype).
+
+    Shapes: weight [out, in], lora_A [r, in], lora_B [out, r]. The sum is formed in fp32 by one fused
+    addmm and rounded once to `dtype`; `weight` is never written.
+    """
+    dtype = dtype or weight.dtype
+    # .float() is a no-op on fp32 tensors; addmm still writes a new tensor, so `weight` is untouched.
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)
+    return merged.to(dtype)
+
+
+def _merged_module_weight(module: LoraLayer, dtype: torch.dtype) -> torch.Tensor:
+    base = module.get_base_layer()
+    assert not module.fan_in_fan_out, "Conv1D-style (fan_in_fan_out) layers are not supported"
+    return merge_weight(base.weight.detach(), module.lora_A[ADAPTER_NAME].weight.detach(),
+                        module.lora_B[ADAPTER_NAME].weight.detach(), module.scaling[ADAPTER_NAME], dtype)
+
+
+def iter_merged_weights(model: peft.PeftModel, dtype: torch.dtype | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every weight of the plain HF model, LoRA merged in, one at a time.
+
+    Names are what `AutoModelForCausalLM` and vLLM expect (no `base_model.model.`, no `base_layer`).
+    Only one merged module is alive at a time beyond what the consumer keeps, so extra memory is
+    bounded by the largest module. Tensors shared with an earlier one (tied embeddings) are skipped,
+    as `save_pretrained` does. Non-LoRA tensors are yielded as they are when already in `dtype`.
+
+    Args:
+        dtype: output dtype; default the base model's dtype.
+    """
+    dtype = dtype or model_dtype(model)
+    inner = model.get_base_model()
+    lora_layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
+    seen_storage: set[int] = set()
+    for key, tensor in inner.state_dict(keep_vars=True).items():
+        if ".lora_" in key:
+            continue
+        module_name, _, leaf = key.rpartition(".")
+        owner = module_name.removesuffix(".base_layer")
+        hf_key = f"{owner}.{leaf}"
+        if owner in lora_layers and leaf == "weight":
+            yield hf_key, _merged_module_weight(lora_layers[owner], dtype)
+            continue
+        tensor = tensor.detach()
+        if tensor.untyped_storage().data_ptr() in seen_storage:
+            continue
+        seen_storage.add(tensor.untyped_storage().data_ptr())
+        yield hf_key, tensor.to(dtype) if tensor.is_floating_point() else tensor
