@@ -9,8 +9,6 @@ has about 95M (the benchmark model).
 """
 
 import math
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from graft.atomic import atomic_dir
 from graft.models.tokenizer import train_tokenizer
 
 # Architecture name -> (config class, model class).
@@ -113,7 +112,8 @@ def build_tiny_model(
 
     The weights are drawn after ``torch.manual_seed(seed)`` (inside a forked RNG, so the caller's
     RNG state is untouched): the same arguments give bit-identical tensors. The directory is built
-    in a hidden sibling and renamed into place, so a failure leaves nothing at ``out_dir``.
+    in a hidden sibling and renamed into place (``graft.atomic.atomic_dir``), so a failure leaves
+    nothing at ``out_dir``.
 
     Args:
         out_dir: Target directory; must not exist or be empty.
@@ -128,12 +128,11 @@ def build_tiny_model(
         ``out_dir`` as a ``Path``.
 
     Raises:
-        ValueError: If ``out_dir`` exists and is not an empty directory, or on a bad ``arch`` or
-            ``hidden``.
+        ValueError: If ``out_dir`` exists and is not empty, or on a bad ``arch`` or ``hidden``.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} already exists and is not empty; refusing to overwrite it")
     tokenizer = train_tokenizer(vocab_size)
     config = tiny_config(tokenizer, arch=arch, hidden=hidden, layers=layers, intermediate=intermediate)
     _, model_cls = ARCHS[arch]
@@ -146,16 +145,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp_dir.mkdir()
-    try:
+    with atomic_dir(out_dir) as tmp_dir:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        # rename() replaces an empty directory and fails on a non-empty one, so a directory that
-        # appeared meanwhile is never overwritten.
-        tmp_dir.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return out_dir
