@@ -11,15 +11,15 @@ value does (`key=''` gives the empty string). A section that is null in the file
 commented out) means that section's defaults.
 """
 
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from graft.atomic import atomic_write_text
 
 # vLLM rejects any other --max-lora-rank at server start.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -317,15 +317,5 @@ def config_to_yaml(cfg: GraftConfig) -> str:
 
 
 def save_config(cfg: GraftConfig, path: str | Path) -> None:
-    """Write `cfg` as YAML atomically (temp file in the same directory, then os.replace), so a
-    crash never leaves a half-written config next to a run's checkpoints."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(config_to_yaml(cfg))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write `cfg` as YAML atomically, so a crash never leaves a half-written config in a run dir."""
+    atomic_write_text(path, config_to_yaml(cfg))

@@ -106,4 +106,4 @@ def print_merge_report(result: dict) -> None:
                   f"{result['peft_bf16_drift_after_cycles']:.3g}")
     console = Console()
     console.print(table)
-    console.print(f"graft is {result['ratio']:.2f}x faster than PEFT (median of {result['repeats']} interleaved runs)")
+    console.print(f"ratio PEFT/graft: {result['ratio']:.2f}x (medians of {result['repeats']} interleaved runs; > 1 means graft is faster)")

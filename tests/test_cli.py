@@ -1,0 +1,52 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from graft.cli import build_parser, main
+
+COMMANDS = ["tiny-model", "export", "config", "bench", "quickstart"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_explains_itself(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--help"])
+    assert exit_info.value.code == 0
+    assert len(capsys.readouterr().out.splitlines()) > 3
+
+
+def test_tiny_model_command_is_deterministic(tmp_path, capsys):
+    assert main(["tiny-model", str(tmp_path / "a"), "--arch", "llama", "--hidden", "64", "--seed", "5"]) == 0
+    assert main(["tiny-model", str(tmp_path / "b"), "--arch", "llama", "--hidden", "64", "--seed", "5"]) == 0
+    assert "wrote llama tiny model" in capsys.readouterr().out
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_hidden_size_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["tiny-model", str(tmp_path / "m"), "--hidden", "48"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("graft: error: hidden=48")
+    assert not (tmp_path / "m").exists()
+
+
+def test_config_command_prints_resolved_config_and_saves_it(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("lora:\n  rank: 4\n")
+    assert main(["config", str(config), "-o", "rollout.max_staleness=1", "--save", str(tmp_path / "out.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "rank: 4" in out and "max_staleness: 1" in out
+    assert (tmp_path / "out.yaml").read_text() == out
+
+
+def test_config_command_rejects_unknown_key_through_a_subprocess(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("lora:\n  rnak: 4\n")
+    result = subprocess.run([sys.executable, "-m", "graft.cli", "config", str(config)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"graft: error: unknown config key 'lora.rnak' (in {config})"]
