@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 from graft.atomic import atomic_dir
 from graft.lora.adapter_io import load_adapter
 from graft.lora.merge import iter_merged_weights
-from graft.models.loading import load_model, model_dtype, resolve_dtype
+from graft.models.loading import load_model, model_dtype, require_model_dir, resolve_dtype
 
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -88,8 +88,9 @@ def export_merged(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: 
     Raises `AdapterError`/`ValueError` before anything is written at `out_dir`.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"--out {out_dir} already exists and is not empty")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"--out {out_dir} already exists and is not an empty directory")
+    base = require_model_dir(base)
     out_dtype = resolve_dtype(dtype) if dtype else AutoConfig.from_pretrained(str(base)).dtype
     model = load_adapter(load_model(base, dtype="float32"), adapter)
     return save_merged_model(model, out_dir, dtype=out_dtype, tokenizer_source=base)

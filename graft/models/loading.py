@@ -26,11 +26,14 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _require_model_dir(path: Path) -> None:
+def require_model_dir(path: str | Path) -> Path:
+    """`path` as a Path, checked to be a local model directory (has config.json)."""
+    path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; is it a model directory?")
+    return path
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
@@ -39,8 +42,7 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     Raises:
         ValueError: If ``path`` is not a directory with a config.json, or ``dtype`` is unknown.
     """
-    path = Path(path)
-    _require_model_dir(path)
+    path = require_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
     return model.eval()
 

@@ -5,7 +5,7 @@ import peft
 import pytest
 import safetensors.torch
 import torch
-from conftest import trained_like_peft_model
+from tests.helpers import trained_like_peft_model
 
 from graft.lora.adapter_io import (
     ADAPTER_CONFIG,

