@@ -1,5 +1,7 @@
 """Test helpers shared across the suite (plain functions; fixtures live in conftest.py)."""
 
+import subprocess
+
 import torch
 
 from graft.lora.attach import attach_lora, lora_parameters
@@ -19,3 +21,10 @@ def trained_like_peft_model(model_dir, *, rank: int = 8, alpha: float = 16, seed
     model = attach_lora(load_model(model_dir), rank=rank, alpha=alpha, seed=0, **kwargs)
     randomize_lora(model, seed)
     return model
+
+
+def live_group_members(pgid: int) -> list[str]:
+    """`ps` lines of the non-zombie processes in process group `pgid` (independent of the launcher's check)."""
+    listing = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True, text=True, check=True)
+    rows = (line.split(None, 3) for line in listing.stdout.splitlines())
+    return [" ".join(row) for row in rows if int(row[0]) == pgid and not row[2].startswith("Z")]

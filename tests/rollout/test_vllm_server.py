@@ -7,8 +7,7 @@ escalation, startup timeout, atexit) is tested against a stdlib stand-in server 
 well under a second, because a second real server would cost another minute and must not run next
 to the shared one on a 2-core machine; the shared server's own stop is checked at session end.
 
-The session fixture lives here, not in tests/rollout/conftest.py: a second non-package conftest.py
-replaces `conftest` in sys.modules and breaks the `from tests.helpers import ...` the test modules use.
+The shared server fixture (`vllm_server`) lives in tests/rollout/conftest.py.
 
 Suffixes: `_P` one entry per prompt, `_T` one entry per generated token.
 """
@@ -25,12 +24,13 @@ import urllib.request
 import peft
 import pytest
 import torch
-from tests.helpers import trained_like_peft_model
+from tests.helpers import live_group_members, trained_like_peft_model
 
 from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
+
 
 MAX_TOKENS = 16
 # The 300-token prompt spans full KV blocks, so it is prefix-cached: a stale cache after a weight
@@ -104,31 +104,7 @@ def _reload_weights(server: VllmServer, weights_dir) -> None:
     _ok(server.url + "/resume", method="POST")
 
 
-def _live_group_members(pgid: int) -> list[str]:
-    """`ps` lines of the non-zombie processes in process group `pgid` (independent of the launcher's check)."""
-    listing = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True, text=True, check=True)
-    rows = (line.split(None, 3) for line in listing.stdout.splitlines())
-    return [" ".join(row) for row in rows if int(row[0]) == pgid and not row[2].startswith("Z")]
-
-
 # ---- fixtures ----
-
-@pytest.fixture(scope="session")
-def base_dir(tiny_model_dirs):
-    return tiny_model_dirs["qwen2"]
-
-
-@pytest.fixture(scope="session")
-def vllm_server(base_dir, tmp_path_factory):
-    """One real vLLM server for the session: tiny fp32 qwen2, LoRA rank <= 8."""
-    config = VllmServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8,
-                              log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    with VllmServer(config) as server:
-        pgid = server.pid
-        print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
-        yield server
-    assert _live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"
-
 
 @pytest.fixture(scope="session")
 def graft_adapter(base_dir, tmp_path_factory):
@@ -162,7 +138,7 @@ def test_broken_model_config_fails_startup_with_log_tail_and_no_process(base_dir
     with pytest.raises(VllmStartupError, match="exited with code") as error:
         server.start()
     assert "config.json" in str(error.value) and "not a valid JSON file" in str(error.value)  # from the log
-    assert _live_group_members(server.pid) == []
+    assert live_group_members(server.pid) == []
 
 
 @pytest.mark.vllm
@@ -232,7 +208,7 @@ def stand_in(monkeypatch, tmp_path):
 
 def _group_of_two(server: VllmServer) -> int:
     """The server's process-group id, once the leader and its forked child are both in it."""
-    members = _live_group_members(server.pid)
+    members = live_group_members(server.pid)
     assert len(members) == 2, members
     return server.pid
 
@@ -244,21 +220,21 @@ def test_exception_inside_with_block_stops_the_whole_process_group(stand_in, exc
             assert server.health()
             pgid = _group_of_two(server)
             raise exception("boom")
-    assert _live_group_members(pgid) == []
+    assert live_group_members(pgid) == []
     server.stop()  # idempotent
 
 
 def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(stand_in):
     with VllmServer(stand_in(ignore_sigterm=True, stop_timeout_s=1)) as server:
         pgid = _group_of_two(server)
-    assert _live_group_members(pgid) == []
+    assert live_group_members(pgid) == []
 
 
 def test_startup_timeout_raises_with_log_tail_and_stops_the_group(stand_in):
     server = VllmServer(stand_in(healthy=False, startup_timeout_s=2))
     with pytest.raises(VllmStartupError, match=r"did not answer /health in 2 s(.|\n)*stand-in: engine core forked"):
         server.start()
-    assert _live_group_members(server.pid) == []
+    assert live_group_members(server.pid) == []
 
 
 def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
@@ -272,7 +248,7 @@ def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
     """)  # exits without stop() or `with`: only the atexit hook can clean up
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert _live_group_members(int(done.stdout.split()[-1])) == []
+    assert live_group_members(int(done.stdout.split()[-1])) == []
 
 
 @pytest.mark.parametrize("rank", [0, 4, 24, 1024])
