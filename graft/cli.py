@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -51,6 +52,34 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print_merge_report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from graft.models.loading import require_model_dir
+    from graft.rollout.engine import EngineUnavailableError
+    from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+
+    config = VllmServerConfig(model=str(require_model_dir(args.model)), host=args.host, port=args.port,
+                              dtype=args.dtype, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+                              max_model_len=args.max_model_len, log_dir=args.log_dir)
+    # Ctrl-C and SIGTERM both unwind through the `finally` below, so the server never outlives us
+    # (a background job inherits SIGINT ignored; the default SIGTERM action skips all cleanup).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    console = Console(stderr=True)
+    server = VllmServer(config)
+    with console.status(f"starting vLLM for {args.model} (takes ~30-70 s on CPU)"):
+        server.start()
+    try:
+        console.print(f"vLLM serving {args.model} at {server.url} (ready in {server.startup_seconds:.0f} s, "
+                      f"log {server.log_path}); Ctrl-C stops it")
+        code = server.wait()
+    finally:
+        server.stop()
+    if code:
+        raise EngineUnavailableError(f"vLLM exited with code {code}; see {server.log_path}", address=server.url)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -105,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=50, help="PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("serve", help="run a graft-configured vLLM server in the foreground",
+                       description="Start vLLM (python -m vllm.entrypoints.openai.api_server) with LoRA, runtime "
+                                   "adapter loading and the weight-reload endpoints enabled, on loopback by default. "
+                                   "On CPU, vLLM serves bf16 for --dtype auto even for an fp32 checkpoint.")
+    p.add_argument("model", help="HF model directory")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="one of 1, 8, 16, 32, 64, 128, 256, 320, 512")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters held at once (default 4)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens (default 2048)")
+    p.add_argument("--log-dir", default="runs/serve/logs", help="where vllm-<port>.log goes")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("quickstart", help="the main job: a short end-to-end demo run",
                        description="Build a tiny base model, train a LoRA adapter on it, save it in PEFT format, "
                                    "check it with PEFT, export the merged model and check that too.")
@@ -114,11 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from graft.rollout.engine import EngineError
+    from graft.rollout.vllm_launcher import VllmStartupError
+
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except KeyboardInterrupt:
+        print("graft: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, EngineError, VllmStartupError) as e:
         print(f"graft: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -230,6 +230,11 @@ class VllmServer:
         self._proc = None
         atexit.unregister(self.stop)
 
+    def wait(self) -> int:
+        """Block until the server process exits (e.g. killed from outside); its exit code."""
+        assert self._proc is not None, "the server is not running"
+        return self._proc.wait()
+
     def _signal_group(self, sig: signal.Signals, wait_s: float) -> bool:
         """Send `sig` to the server's process group; True once no live process is left in it."""
         pgid = self._proc.pid  # start_new_session=True: the server leads its own group
