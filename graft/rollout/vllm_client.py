@@ -1,0 +1,266 @@
+"""`VllmClient`: the `RolloutEngine` protocol over a vLLM OpenAI-compatible server's HTTP API.
+
+One `/v1/completions` call per request (prompt as token ids, `n` samples), run concurrently under
+one semaphore per client; adapters are chosen by the `model` field; base weights are swapped with
+`/collective_rpc reload_weights` inside a pause (see shared/notes/vllm-cpu.md for the endpoints'
+observed answers). The server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and
+`VLLM_SERVER_DEV_MODE=1`, as `VllmServer` starts it.
+
+Log-probs: vLLM reports the sampled token's log-prob under its *raw* distribution
+(`logprobs_mode="raw_logprobs"`, before temperature and top-p), which is the policy's log-prob
+when temperature == top_p == 1.
+
+Retry policy: only `httpx.ConnectError` (refused, reset or unreachable while connecting) is
+retried, `connect_retries` times with exponential backoff: the request never reached the server,
+so a retry is safe even for non-idempotent calls (load_adapter). A timeout, or a connection lost
+after sending, may mean the server did the work (or is wedged), so it is raised at once, as is
+every HTTP error status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+
+from graft.rollout.engine import (
+    AdapterAlreadyLoadedError,
+    BadRequestError,
+    Completion,
+    EngineError,
+    EngineHealth,
+    EngineUnavailableError,
+    GenerateRequest,
+    UnknownAdapterError,
+)
+
+
+def error_message(text: str) -> str:
+    """The server's own words from an error body: vLLM's `{"error": {"message"}}`, the dev
+    endpoints' `{"error": "..."}`, FastAPI's `{"detail": ...}`, `{"message"}`, or plain text."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for value in (error, body.get("message"), body.get("detail")):
+            if isinstance(value, str):
+                return value
+            if value is not None:
+                return json.dumps(value)
+    return text.strip()
+
+
+def error_for(status: int, message: str, address: str) -> EngineError:
+    """The typed error for an HTTP error status and the server's message."""
+    if status == 404 and ("does not exist" in message or "cannot be found" in message):
+        cls = UnknownAdapterError
+    elif status == 400 and "already been loaded" in message:
+        cls = AdapterAlreadyLoadedError
+    elif 400 <= status < 500:
+        cls = BadRequestError  # includes 404 "No adapter found for <path>" (a bad load path)
+    else:
+        cls = EngineUnavailableError
+    return cls(message, address=address, status=status)
+
+
+def completion_payload(request: GenerateRequest, model: str) -> dict:
+    """The `/v1/completions` body for one request."""
+    p = request.params
+    return {"model": model, "prompt": list(request.prompt_token_ids), "n": p.n,
+            "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens,
+            "stop": list(p.stop), "seed": p.seed, "ignore_eos": p.ignore_eos,
+            "logprobs": 1, "return_token_ids": True}
+
+
+def parse_completions(body: dict, n: int, address: str = "") -> list[Completion]:
+    """The `n` completions of one `/v1/completions` response, ordered by `index`.
+
+    Raises:
+        EngineError: If the response lacks token ids or per-token log-probs, or they do not pair
+            up 1:1 (vLLM pairs `token_logprobs[i]` with `token_ids[i]`; a None marks a missing one).
+    """
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    if len(choices) != n:
+        raise EngineError(f"asked for n={n} completions, got {len(choices)}", address=address)
+    completions = []
+    for choice in choices:
+        token_ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None or logprobs is None or len(token_ids) != len(logprobs) or None in logprobs:
+            raise EngineError(f"choice {choice['index']}: token_ids {token_ids} and token_logprobs {logprobs} "
+                              "do not pair up (needs `return_token_ids` support, vLLM >= 0.10.2)", address=address)
+        completions.append(Completion(token_ids=tuple(token_ids), logprobs=tuple(float(x) for x in logprobs),
+                                      finish_reason=choice["finish_reason"], text=choice.get("text") or ""))
+    return completions
+
+
+def base_model_name(models_body: dict) -> str:
+    """The served base model's name in a `GET /v1/models` body (the entry without a parent)."""
+    bases = [entry["id"] for entry in models_body["data"] if entry.get("parent") is None]
+    assert len(bases) == 1, f"expected one base model in /v1/models, got {bases}"
+    return bases[0]
+
+
+def adapter_names(models_body: dict) -> list[str]:
+    """The loaded adapters' names in a `GET /v1/models` body (entries with a parent)."""
+    return [entry["id"] for entry in models_body["data"] if entry.get("parent") is not None]
+
+
+def _naming_path(error: EngineError, path: str | os.PathLike) -> EngineError:
+    """`error` again, with `path` appended: vLLM replaces paths in its messages by "<path>"."""
+    return type(error)(f"{error.server_message} [path: {path}]", address=error.address, status=error.status)
+
+
+class VllmClient:
+    """A `RolloutEngine` talking to one vLLM server.
+
+    Args:
+        base_url: The server, e.g. `http://127.0.0.1:8000`.
+        model: The served base model's name; None discovers it once from `GET /v1/models`.
+        max_concurrency: Completion requests in flight at once, across all `generate` calls.
+        timeout_s: Per-HTTP-request timeout (connect, read, write and pool wait).
+        connect_retries: Retries after a connection error (the first try not counted).
+        retry_backoff_s: First retry delay; doubled for each further retry.
+        transport: An httpx transport to use instead of the network (tests, instrumentation).
+
+    Example:
+        async with VllmClient(server.url) as client:
+            completions_P = await client.generate(requests, adapter="policy-v3")
+    """
+
+    def __init__(self, base_url: str, *, model: str | None = None, max_concurrency: int = 64,
+                 timeout_s: float = 300, connect_retries: int = 3, retry_backoff_s: float = 0.5,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        if max_concurrency < 1 or connect_retries < 0:
+            raise ValueError(f"max_concurrency must be >= 1 and connect_retries >= 0 "
+                             f"(got {max_concurrency}, {connect_retries})")
+        self.address = base_url.rstrip("/")
+        self._model = model
+        self._connect_retries = connect_retries
+        self._retry_backoff_s = retry_backoff_s
+        self._timeout_s = timeout_s
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        # Headroom over the semaphore for adapter/health calls made while generating.
+        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+        # trust_env=False: loopback requests must not go through an http_proxy from the environment.
+        self._http = httpx.AsyncClient(base_url=self.address, timeout=timeout_s, limits=limits,
+                                       trust_env=False, transport=transport)
+
+    async def __aenter__(self) -> VllmClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, *, retries: int | None = None, **kwargs) -> httpx.Response:
+        """One HTTP call; a 2xx response, or a typed `EngineError`."""
+        retries = self._connect_retries if retries is None else retries
+        for attempt in range(retries + 1):
+            try:
+                response = await self._http.request(method, path, **kwargs)
+                break
+            except httpx.ConnectError as error:
+                if attempt == retries:
+                    raise EngineUnavailableError(f"{method} {path}: cannot connect after {attempt + 1} "
+                                                 f"attempt(s): {error!r}", address=self.address) from error
+                await asyncio.sleep(self._retry_backoff_s * 2**attempt)
+            except httpx.TimeoutException as error:
+                raise EngineUnavailableError(f"{method} {path}: no answer within {self._timeout_s:g} s ({error!r})",
+                                             address=self.address) from error
+            except httpx.TransportError as error:  # e.g. the server died mid-request
+                raise EngineUnavailableError(f"{method} {path}: {error!r}", address=self.address) from error
+        if response.status_code >= 400:
+            raise error_for(response.status_code, error_message(response.text), self.address)
+        return response
+
+    async def base_model(self) -> str:
+        """The served base model's name (discovered from `GET /v1/models` on first use)."""
+        if self._model is None:
+            self._model = base_model_name((await self._call("GET", "/v1/models")).json())
+        return self._model
+
+    async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
+        """For each request, `params.n` completions (ordered by index) from the base model or `adapter`.
+
+        vLLM seeds sample i of a request with `seed + i`, so requests whose seeds are closer than
+        `n` share samples (measured: seed=1 sample 1 == seed=2 sample 0); space seeds by >= n.
+
+        Raises:
+            UnknownAdapterError: `adapter` is not loaded ("The model `x` does not exist.").
+            BadRequestError: E.g. prompt + max_new_tokens longer than the server's max_model_len.
+            EngineUnavailableError: Unreachable server, timeout or 5xx.
+        """
+        model = adapter if adapter is not None else await self.base_model()
+
+        async def one(request: GenerateRequest) -> list[Completion]:
+            async with self._semaphore:
+                response = await self._call("POST", "/v1/completions", json=completion_payload(request, model))
+            return parse_completions(response.json(), request.params.n, self.address)
+
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:  # the first failure ends the call: stop its siblings, don't orphan them
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def load_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Load the PEFT adapter at `path` (as the server sees it) under `name`.
+
+        Raises:
+            AdapterAlreadyLoadedError: `name` is taken.
+            BadRequestError: No adapter at `path` (404 "No adapter found for <path>": vLLM
+                sanitizes paths out of its messages, so every error here gets `path` appended).
+            EngineUnavailableError: Unreachable, or a 5xx (vLLM answers 500 when the adapter
+                exists but cannot be loaded, e.g. a rank above --max-lora-rank).
+        """
+        try:
+            await self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        except EngineError as error:
+            raise _naming_path(error, path) from error
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; UnknownAdapterError if it is not loaded."""
+        await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    async def list_adapters(self) -> list[str]:
+        return adapter_names((await self._call("GET", "/v1/models")).json())
+
+    async def reload_weights(self, path: str | os.PathLike) -> None:
+        """Replace the base weights with the safetensors model at `path` and reset the prefix cache.
+
+        Order: pause (waiting for in-flight requests) → reload → reset prefix cache → resume. The
+        reset is needed: vLLM's reload keeps prefix-cache blocks computed with the old weights.
+        Resume runs even when a step fails, so the server is never left paused.
+        """
+        await self._call("POST", "/pause", params={"mode": "wait"})
+        try:
+            try:
+                await self._call("POST", "/collective_rpc",
+                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            except EngineError as error:
+                raise _naming_path(error, path) from error
+            reset = (await self._call("POST", "/reset_prefix_cache")).json()
+            if reset.get("success") is not True:  # vLLM refuses while blocks are held by requests
+                raise EngineError(f"weights reloaded from {path} but the prefix cache was not reset: {reset}",
+                                  address=self.address)
+        finally:
+            await self._call("POST", "/resume")
+
+    async def health(self) -> EngineHealth:
+        """`GET /health` and the loaded adapters, without retries; never raises."""
+        try:
+            await self._call("GET", "/health", retries=0)
+            adapters = await self._call("GET", "/v1/models", retries=0)
+        except EngineError as error:
+            return EngineHealth(address=self.address, healthy=False, detail=str(error))
+        return EngineHealth(address=self.address, healthy=True, adapters=tuple(adapter_names(adapters.json())))
