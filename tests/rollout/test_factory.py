@@ -1,0 +1,51 @@
+import asyncio
+
+import pytest
+
+from graft.config import load_config
+from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.factory import check_engine_config, open_engine
+from graft.rollout.pool import EnginePool
+from graft.rollout.reference import ReferenceEngine
+from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm_launcher import free_port
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine=sglang"], "needs rollout.urls"),
+    (["rollout.launch=false"], "no vLLM server to talk to"),
+    (["rollout.engine=reference", "rollout.urls=[http://127.0.0.1:1]"], "in-process, no server"),
+    ([], "model.path is required to launch vLLM"),
+])
+def test_impossible_engine_settings_are_rejected_before_anything_starts(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_engine_config(load_config(None, overrides))
+
+
+def test_reference_engine_from_config(base_dir, tmp_path):
+    config = load_config(None, [f"model.path={base_dir}", "rollout.engine=reference"])
+
+    async def scenario():
+        async with open_engine(config, tmp_path) as engine:
+            assert isinstance(engine, ReferenceEngine)
+            out = await engine.generate([GenerateRequest((1, 2, 3), SamplingParams(temperature=0, max_new_tokens=4,
+                                                                                   ignore_eos=True))])
+            assert len(out[0][0].token_ids) == 4
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.vllm
+def test_user_urls_give_a_client_or_a_pool(vllm_server, base_dir, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def scenario():
+        one = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]"])
+        async with open_engine(one, tmp_path) as engine:
+            assert isinstance(engine, VllmClient) and (await engine.health()).healthy
+        two = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url},{dead}]"])
+        async with open_engine(two, tmp_path) as engine:
+            assert isinstance(engine, EnginePool)
+            assert {h.address: h.healthy for h in await engine.health_all()} == {vllm_server.url: True, dead: False}
+
+    asyncio.run(scenario())
