@@ -27,7 +27,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from graft.config import load_config, save_config  # noqa: E402
 from graft.lora.adapter_io import is_peft_adapter, save_adapter  # noqa: E402
-from graft.lora.attach import adapter_disabled, attach_lora, count_parameters, lora_parameters  # noqa: E402
+from graft.lora.attach import (  # noqa: E402
+    adapter_disabled,
+    attach_lora,
+    count_parameters,
+    lora_parameters,
+)
 from graft.lora.export import export_merged  # noqa: E402
 from graft.models.loading import load_model, load_tokenizer  # noqa: E402
 from graft.models.tiny import build_tiny_model  # noqa: E402

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from graft.atomic import atomic_dir
-from graft.lora.attach import ADAPTER_NAME, check_target_modules, lora_modules, lora_parameters
+from graft.lora.attach import (
+    ADAPTER_NAME,
+    check_target_modules,
+    lora_modules,
+    lora_parameters,
+)
 from graft.models.loading import model_dtype
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -19,7 +19,12 @@ from transformers import AutoConfig, AutoTokenizer
 from graft.atomic import atomic_dir
 from graft.lora.adapter_io import load_adapter
 from graft.lora.merge import iter_merged_weights
-from graft.models.loading import load_model, model_dtype, require_model_dir, resolve_dtype
+from graft.models.loading import (
+    load_model,
+    model_dtype,
+    require_model_dir,
+    resolve_dtype,
+)
 
 SAFE_INDEX = "model.safetensors.index.json"
 

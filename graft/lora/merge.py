@@ -17,9 +17,8 @@ import peft
 import torch
 from peft.tuners.lora import LoraLayer
 
-from graft.models.loading import model_dtype
 from graft.lora.attach import ADAPTER_NAME
-
+from graft.models.loading import model_dtype
 
 # Module merges run on this many threads: torch's intra-op parallelism barely speeds up the rank-r
 # GEMM and the mixed-dtype add, while two modules merged side by side take half the time (measured

@@ -14,9 +14,16 @@ reference engine: "in-process"), else its repr.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
-from graft.rollout.engine import Completion, EngineError, EngineHealth, GenerateRequest, RolloutEngine
+from graft.rollout.engine import (
+    Completion,
+    EngineError,
+    EngineHealth,
+    GenerateRequest,
+    RolloutEngine,
+)
+from graft.rollout.http_util import gather_cancel_on_error
 
 
 class PoolBroadcastError(EngineError):
@@ -70,7 +77,7 @@ class EnginePool:
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         """Each request to the least-busy engine; answers in input order. The first engine error is
         raised as is (the other requests of this call are cancelled)."""
-        return await _gather_cancel_on_error(self._generate_one(r, adapter) for r in requests)
+        return await gather_cancel_on_error(self._generate_one(r, adapter) for r in requests)
 
     def _pick(self) -> int:
         fewest = min(self._in_flight)
@@ -161,15 +168,3 @@ def _unique(addresses: list[str]) -> list[str]:
         seen[address] = seen.get(address, 0) + 1
         out.append(address if seen[address] == 1 else f"{address}#{seen[address]}")
     return out
-
-
-async def _gather_cancel_on_error(coros: Iterable[Awaitable[Any]]) -> list[Any]:
-    """`asyncio.gather` in input order that cancels the siblings when one fails, then re-raises."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

@@ -39,7 +39,11 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from graft.lora.adapter_io import AdapterError, read_adapter_config, read_adapter_tensors
+from graft.lora.adapter_io import (
+    AdapterError,
+    read_adapter_config,
+    read_adapter_tensors,
+)
 from graft.lora.attach import check_target_modules
 from graft.models.loading import load_model, load_tokenizer
 from graft.rollout.engine import (

@@ -43,8 +43,7 @@ Behaviours of SGLang this client accounts for:
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, Awaitable, Iterable
+from typing import Any
 
 import httpx
 
@@ -58,6 +57,7 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
+from graft.rollout.http_util import gather_cancel_on_error, server_message
 
 _FINISH_REASONS = ("stop", "length")
 # Substrings of SGLang's own messages (see the module docstring for where each comes from).
@@ -112,22 +112,6 @@ def build_update_weights_payload(path: str) -> dict[str, Any]:
 
 
 # --- response parsing (pure) -------------------------------------------------------------------
-
-
-def server_words(body: str) -> str:
-    """SGLang's own message from an answer body, whichever of its error shapes it has."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.strip()
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        for key in ("error_message", "message", "detail"):
-            if data.get(key):
-                return str(data[key])
-    return body.strip()
 
 
 def error_for(status: int, words: str, *, address: str, route: str) -> EngineError:
@@ -263,7 +247,7 @@ class SglangClient:
         if adapter is not None and adapter in self._unloaded:
             raise UnknownAdapterError(f"adapter {adapter!r} was unloaded; SGLang would silently re-load it "
                                       "from its old path, so it is not requested", address=self.address)
-        return await _gather_cancel_on_error(self._generate_one(r, adapter) for r in requests)
+        return await gather_cancel_on_error(self._generate_one(r, adapter) for r in requests)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """`/load_lora_adapter`. Raises AdapterAlreadyLoadedError, BadRequestError (e.g. LoRA not
@@ -341,7 +325,7 @@ class SglangClient:
             return response.status_code, body
         if response.status_code == 400 and isinstance(body, dict) and "success" in body:
             return response.status_code, body
-        raise error_for(response.status_code, server_words(response.text), address=self.address,
+        raise error_for(response.status_code, server_message(response.text), address=self.address,
                         route=f"{method} {route}")
 
     async def _send(self, method: str, route: str, payload: dict[str, Any] | None, timeout_s: float,
@@ -362,15 +346,3 @@ class SglangClient:
                 raise EngineUnavailableError(f"{method} {route}: {exc!r}", address=self.address) from exc
             await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
             attempt += 1
-
-
-async def _gather_cancel_on_error(coros: Iterable[Awaitable[Any]]) -> list[Any]:
-    """`asyncio.gather` in input order that cancels the siblings when one fails, then re-raises."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

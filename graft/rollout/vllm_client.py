@@ -20,7 +20,6 @@ every HTTP error status.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 import httpx
@@ -35,25 +34,7 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-
-
-def error_message(text: str) -> str:
-    """The server's own words from an error body: vLLM's `{"error": {"message"}}`, the dev
-    endpoints' `{"error": "..."}`, FastAPI's `{"detail": ...}`, `{"message"}`, or plain text."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text.strip()
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for value in (error, body.get("message"), body.get("detail")):
-            if isinstance(value, str):
-                return value
-            if value is not None:
-                return json.dumps(value)
-    return text.strip()
+from graft.rollout.http_util import gather_cancel_on_error, server_message
 
 
 def error_for(status: int, message: str, address: str) -> EngineError:
@@ -178,7 +159,7 @@ class VllmClient:
             except httpx.TransportError as error:  # e.g. the server died mid-request
                 raise EngineUnavailableError(f"{method} {path}: {error!r}", address=self.address) from error
         if response.status_code >= 400:
-            raise error_for(response.status_code, error_message(response.text), self.address)
+            raise error_for(response.status_code, server_message(response.text), self.address)
         return response
 
     async def base_model(self) -> str:
@@ -205,13 +186,7 @@ class VllmClient:
                 response = await self._call("POST", "/v1/completions", json=completion_payload(request, model))
             return parse_completions(response.json(), request.params.n, self.address)
 
-        tasks = [asyncio.ensure_future(one(r)) for r in requests]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:  # the first failure ends the call: stop its siblings, don't orphan them
-            for task in tasks:
-                task.cancel()
-            raise
+        return await gather_cancel_on_error(one(r) for r in requests)
 
     async def load_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Load the PEFT adapter at `path` (as the server sees it) under `name`.

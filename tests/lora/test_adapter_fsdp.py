@@ -4,11 +4,11 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tests.helpers import trained_like_peft_model
 from torch.distributed.fsdp import fully_shard
 
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, load_adapter_weights, save_adapter
 from graft.lora.attach import lora_parameters
+from tests.helpers import trained_like_peft_model
 
 WORLD = 2
 

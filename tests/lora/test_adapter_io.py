@@ -5,7 +5,6 @@ import peft
 import pytest
 import safetensors.torch
 import torch
-from tests.helpers import trained_like_peft_model
 
 from graft.lora.adapter_io import (
     ADAPTER_CONFIG,
@@ -18,6 +17,7 @@ from graft.lora.adapter_io import (
 )
 from graft.lora.attach import attach_lora, lora_modules, lora_parameters
 from graft.models.loading import load_model
+from tests.helpers import trained_like_peft_model
 
 
 def _logits(model, input_ids):

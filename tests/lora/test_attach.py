@@ -1,9 +1,15 @@
 import pytest
 import torch
-from tests.helpers import randomize_lora
 
-from graft.lora.attach import adapter_disabled, attach_lora, count_parameters, lora_modules, lora_parameters
+from graft.lora.attach import (
+    adapter_disabled,
+    attach_lora,
+    count_parameters,
+    lora_modules,
+    lora_parameters,
+)
 from graft.models.loading import load_model
+from tests.helpers import randomize_lora
 
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from tests.helpers import trained_like_peft_model
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -22,6 +21,7 @@ from graft.lora.adapter_io import ADAPTER_WEIGHTS, save_adapter
 from graft.lora.export import SAFE_INDEX, save_merged_model, write_safetensors_shards
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
+from tests.helpers import trained_like_peft_model
 
 ARCHS = ["qwen2", "llama"]
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-from tests.helpers import trained_like_peft_model
 from transformers import AutoModelForCausalLM
 
 from graft.lora.attach import ADAPTER_NAME, lora_modules
 from graft.lora.merge import _ROWS_PER_CHUNK, iter_merged_weights, merge_weight
 from graft.models.loading import load_model
+from tests.helpers import trained_like_peft_model
 
 ARCHS = ["qwen2", "llama"]
 FP32_EPS = 2.0**-24  # unit roundoff of fp32 (round to nearest)

@@ -4,7 +4,6 @@ pool with a dead member reports it by address. Uses the session's shared vLLM se
 import asyncio
 
 import pytest
-from tests.helpers import trained_like_peft_model
 
 from graft.lora.adapter_io import save_adapter
 from graft.rollout.engine import GenerateRequest, SamplingParams
@@ -12,6 +11,7 @@ from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import free_port
+from tests.helpers import trained_like_peft_model
 
 LOGPROB_ATOL = 1e-3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)

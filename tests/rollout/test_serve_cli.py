@@ -8,9 +8,9 @@ import time
 import urllib.request
 
 import pytest
-from tests.helpers import live_group_members
 
 from graft.rollout.vllm_launcher import free_port
+from tests.helpers import live_group_members
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 

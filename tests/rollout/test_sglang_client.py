@@ -26,6 +26,7 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
+from graft.rollout.http_util import server_message
 from graft.rollout.sglang_client import SglangClient
 from tests.rollout import sglang_shapes as shapes
 
@@ -103,7 +104,7 @@ def test_parse_rejects_abort_wrong_count_and_mismatched_ids():
 def test_error_shapes_map_to_typed_errors_with_sglang_words_and_address(shape, expected):
     status, body = shape
     text = body if isinstance(body, str) else json.dumps(body)
-    words = sc.server_words(text)
+    words = server_message(text)
     err = sc.error_for(status, words, address=ADDRESS, route="POST /x")
     assert type(err) is expected
     assert err.address == ADDRESS and err.status == status

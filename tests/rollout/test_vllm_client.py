@@ -15,7 +15,6 @@ import json
 import httpx
 import pytest
 import torch
-from tests.helpers import trained_like_peft_model
 
 from graft.lora.adapter_io import save_adapter
 from graft.models.loading import load_model
@@ -30,9 +29,15 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
-from graft.rollout.vllm_client import VllmClient, completion_payload, error_for, error_message, parse_completions
+from graft.rollout.http_util import server_message
+from graft.rollout.vllm_client import (
+    VllmClient,
+    completion_payload,
+    error_for,
+    parse_completions,
+)
 from graft.rollout.vllm_launcher import free_port
-
+from tests.helpers import trained_like_peft_model
 
 MAX_NEW_TOKENS = 16
 # 300 and 40 tokens span full KV blocks of 16, so they are prefix-cached: a stale cache after a
@@ -63,7 +68,7 @@ NOT_LOADED = '{"error": {"message": "The model `x-v1` does not exist.", "type": 
     (503, "", EngineUnavailableError),
 ])
 def test_error_statuses_map_to_typed_errors(status, body, expected):
-    error = error_for(status, error_message(body), "http://h:1")
+    error = error_for(status, server_message(body), "http://h:1")
     assert type(error) is expected and error.status == status and error.address == "http://h:1"
 
 
@@ -75,7 +80,7 @@ def test_error_statuses_map_to_typed_errors(status, body, expected):
     ("Internal Server Error\n", "Internal Server Error"),
 ])
 def test_error_message_extracts_the_servers_words(body, message):
-    assert error_message(body) == message
+    assert server_message(body) == message
 
 
 def test_completion_payload_asks_for_token_ids_and_sampled_logprobs():

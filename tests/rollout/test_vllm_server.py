@@ -24,13 +24,12 @@ import urllib.request
 import peft
 import pytest
 import torch
-from tests.helpers import live_group_members, trained_like_peft_model
 
 from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
-
+from tests.helpers import live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
 # The 300-token prompt spans full KV blocks, so it is prefix-cached: a stale cache after a weight
