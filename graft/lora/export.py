@@ -14,6 +14,7 @@ from pathlib import Path
 import peft
 import safetensors.torch
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from graft.atomic import atomic_dir
@@ -67,22 +68,30 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
     return total_bytes
 
 
-def save_merged_model(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                      tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
-    """Write `model` with its adapter merged as a plain HF checkpoint, atomically. Returns weight bytes."""
+def write_merged_model(model: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None,
+                       tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
+    """Write `model` (adapter merged, if it has one) as a plain HF checkpoint into the existing
+    directory `out_dir`: weight shards, config (with `dtype`), generation config, tokenizer if
+    `tokenizer_source` has one. Not atomic by itself; returns weight bytes."""
     dtype = dtype or model_dtype(model)
-    config = model.get_base_model().config
-    with atomic_dir(out_dir) as tmp:
-        total = write_safetensors_shards(iter_merged_weights(model, dtype), tmp, max_shard_bytes)
-        config = config.__class__.from_dict(config.to_dict())
-        config.dtype = dtype
-        config.save_pretrained(tmp)
-        generation_config = getattr(model.get_base_model(), "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer_source is not None and (Path(tokenizer_source) / "tokenizer_config.json").is_file():
-            AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(tmp)
+    hf_model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    total = write_safetensors_shards(iter_merged_weights(model, dtype), out_dir, max_shard_bytes)
+    config = hf_model.config.__class__.from_dict(hf_model.config.to_dict())
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(out_dir)
+    if tokenizer_source is not None and (Path(tokenizer_source) / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(out_dir)
     return total
+
+
+def save_merged_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                      tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
+    """`write_merged_model` into a new directory, atomically. Returns weight bytes."""
+    with atomic_dir(out_dir) as tmp:
+        return write_merged_model(model, tmp, dtype=dtype, tokenizer_source=tokenizer_source,
+                                  max_shard_bytes=max_shard_bytes)
 
 
 def export_merged(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os.PathLike,

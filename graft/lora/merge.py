@@ -16,6 +16,7 @@ from functools import partial
 import peft
 import torch
 from peft.tuners.lora import LoraLayer
+from torch import nn
 
 from graft.lora.attach import ADAPTER_NAME
 from graft.models.loading import model_dtype
@@ -59,9 +60,9 @@ def _merged_module_weight(module: LoraLayer, dtype: torch.dtype) -> torch.Tensor
                         module.lora_B[ADAPTER_NAME].weight.detach(), module.scaling[ADAPTER_NAME], dtype)
 
 
-def _merge_plan(model: peft.PeftModel, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+def _merge_plan(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(HF name, thunk producing the tensor) for every weight of the plain HF model, in order."""
-    inner = model.get_base_model()
+    inner = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     lora_layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
     seen_storage: set[int] = set()
     for key, tensor in inner.state_dict(keep_vars=True).items():
@@ -79,7 +80,7 @@ def _merge_plan(model: peft.PeftModel, dtype: torch.dtype) -> Iterator[tuple[str
         yield f"{owner}.{leaf}", partial(tensor.to, dtype if tensor.is_floating_point() else tensor.dtype)
 
 
-def iter_merged_weights(model: peft.PeftModel, dtype: torch.dtype | None = None
+def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every weight of the plain HF model, LoRA merged in, in order.
 
@@ -89,6 +90,7 @@ def iter_merged_weights(model: peft.PeftModel, dtype: torch.dtype | None = None
     skipped, as `save_pretrained` does. Non-LoRA tensors are yielded as they are when already in `dtype`.
 
     Args:
+        model: a PeftModel (LoRA merged in) or a plain HF model (its weights as they are: full mode).
         dtype: output dtype; default the base model's dtype.
     """
     dtype = dtype or model_dtype(model)

@@ -1,0 +1,8 @@
+"""Weight sync: get each new policy version from the trainer into every inference engine.
+
+publish   atomic, versioned, manifest-verified weight directories under RUN_DIR/weights
+inflight  which policy versions running requests still use (never unload one of those)
+adapter   adapter mode: load `<lora.name>-v<N>`, unload versions outside the retention window
+merged    merged/full mode: write merged weights, reload them into the engines
+verify    delivery verification: the engine serves exactly the trainer's policy
+"""

@@ -1,0 +1,51 @@
+"""Merged and full sync: publish whole model weights and have the engines reload them.
+
+Merged mode streams `base + LoRA` through graft's zero-drift merge (fp32 math, one rounding, into
+new tensors: the trainer's base weights are never written) into a versioned directory, then every
+engine reloads its base weights from it (pause → reload → reset prefix cache → resume, inside the
+engine client). Requests then name the base model: serving runs at base speed, without the LoRA
+kernels. Full mode is the same path for a model trained without LoRA (full fine-tuning).
+"""
+
+from __future__ import annotations
+
+import time
+
+import peft
+import torch
+from torch import nn
+
+from graft.lora.export import write_merged_model
+from graft.rollout.engine import RolloutEngine
+from graft.sync.result import SyncResult
+from graft.sync.publish import WeightPublisher
+
+
+class WeightsSync:
+    """Publish `kind` ("merged" or "full") weight versions and reload them into `engine`.
+
+    Args:
+        dtype: dtype of the published weights: what the engine serves (e.g. bfloat16).
+    """
+
+    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, kind: str, dtype: torch.dtype) -> None:
+        assert kind in ("merged", "full"), kind
+        self.engine = engine
+        self.publisher = publisher
+        self.kind = kind
+        self.dtype = dtype
+
+    async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
+        """Publish `model`'s weights as `version` and make every engine serve them."""
+        if (self.kind == "merged") != isinstance(model, peft.PeftModel):
+            raise ValueError(f"{self.kind} sync needs {'a LoRA (PEFT) model' if self.kind == 'merged' else 'a model without LoRA'}"
+                             f", got {type(model).__name__}")
+        start = time.perf_counter()
+        published = self.publisher.publish(self.kind, version, step,
+                                           lambda out_dir: write_merged_model(model, out_dir, dtype=self.dtype))
+        published_at = time.perf_counter()
+        await self.engine.reload_weights(str(published.path))
+        done = time.perf_counter()
+        return SyncResult(mode=self.kind, version=version, adapter=None, seconds=done - start,
+                          publish_seconds=published_at - start, apply_seconds=done - published_at,
+                          bytes=published.bytes, engine_adapters_loaded=0, unload_failures=0)

@@ -1,0 +1,31 @@
+"""What one sync reports (one row of metrics per optimizer step draws from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """One sync of one policy version into the engines.
+
+    Attributes:
+        mode: "adapter", "merged" or "full" (metrics key `sync_mode`).
+        version: the policy version now served.
+        adapter: the engine adapter name requests must use, or None (merged/full: the base name).
+        seconds: publish + engine apply (+ verify, when the caller adds it) (`sync_seconds`).
+        publish_seconds, apply_seconds: the two parts.
+        bytes: bytes published (`sync_bytes`).
+        engine_adapters_loaded: graft adapters the engine lists after the sync.
+        unload_failures: best-effort unloads that failed in this sync.
+    """
+
+    mode: str
+    version: int
+    adapter: str | None
+    seconds: float
+    publish_seconds: float
+    apply_seconds: float
+    bytes: int
+    engine_adapters_loaded: int
+    unload_failures: int

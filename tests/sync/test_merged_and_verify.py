@@ -1,0 +1,108 @@
+"""Merged sync and delivery verification against the session's real vLLM server (fp32 tiny qwen2).
+
+Every test leaves the server serving the original base weights with no adapter loaded.
+"""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from tests.helpers import trained_like_peft_model
+
+from graft.lora.adapter_io import save_adapter
+from graft.lora.attach import lora_parameters
+from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.reference import ReferenceEngine
+from graft.rollout.vllm_client import VllmClient
+from graft.sync.merged import WeightsSync
+from graft.sync.publish import WeightPublisher
+from graft.sync.verify import DeliveryError, verify_delivery
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+PROMPTS = [(5, 17, 200, 33, 9), tuple(range(10, 50))]  # the second spans several KV blocks
+FP32_TOLERANCE = 1e-3
+
+
+async def _greedy(engine, adapter=None):
+    out = await engine.generate([GenerateRequest(p, GREEDY) for p in PROMPTS], adapter=adapter)
+    return [c[0].token_ids for c in out]
+
+
+def _base_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+
+
+@pytest.mark.vllm
+def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_server, base_dir, tmp_path):
+    model = trained_like_peft_model(base_dir)
+    before = _base_weights(model)
+    publisher = WeightPublisher(tmp_path / "weights", keep_versions=2)
+
+    async def scenario():
+        async with VllmClient(vllm_server.url) as client:
+            base_tokens = await _greedy(client)
+            try:
+                result = await WeightsSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
+                assert result.mode == "merged" and result.bytes > 0 and result.engine_adapters_loaded == 0
+                served = await _greedy(client)
+                assert served == await _greedy(ReferenceEngine(result_path(publisher, 1)))
+                assert served != base_tokens
+                gap = await verify_delivery(client, model, adapter=None, tolerance=FP32_TOLERANCE)
+                assert gap <= FP32_TOLERANCE
+
+                # 100 more merged syncs, each of a changed adapter: the trainer's base stays bit-identical.
+                sync = WeightsSync(client, publisher, kind="merged", dtype=torch.float32)
+                for version in range(2, 102):
+                    with torch.no_grad():
+                        next(iter(lora_parameters(model).values())).add_(1e-3)
+                    await sync.sync(model, version, version)
+                assert all(torch.equal(before[n], p) for n, p in _base_weights(model).items())
+                assert [v.version for v in publisher.versions("merged")] == [100, 101]
+                assert await verify_delivery(client, model, adapter=None, tolerance=FP32_TOLERANCE) <= FP32_TOLERANCE
+            finally:
+                await client.reload_weights(str(base_dir))
+            assert await _greedy(client) == base_tokens
+
+    asyncio.run(scenario())
+
+
+def result_path(publisher, version):
+    return next(v.path for v in publisher.versions("merged") if v.version == version)
+
+
+@pytest.mark.vllm
+def test_verification_catches_a_wrong_adapter_a_skipped_load_and_stale_weights(vllm_server, base_dir, tmp_path,
+                                                                               caplog):
+    policy = trained_like_peft_model(base_dir, seed=1)
+    impostor_dir = save_adapter(trained_like_peft_model(base_dir, seed=2), tmp_path / "impostor")
+    policy_dir = save_adapter(policy, tmp_path / "policy")
+
+    async def scenario():
+        async with VllmClient(vllm_server.url) as client:
+            # Skipped load: the expected name is not on the engine.
+            with pytest.raises(DeliveryError, match="'graft-v7' is not loaded"):
+                await verify_delivery(client, policy, adapter="graft-v7", tolerance=FP32_TOLERANCE)
+            # Wrong weights under the right name.
+            await client.load_adapter("graft-v7", str(impostor_dir))
+            try:
+                with pytest.raises(DeliveryError, match="differ from the trainer's") as error:
+                    await verify_delivery(client, policy, adapter="graft-v7", tolerance=FP32_TOLERANCE)
+                assert error.value.gap > 0.01
+                with caplog.at_level(logging.WARNING):
+                    gap = await verify_delivery(client, policy, adapter="graft-v7", tolerance=FP32_TOLERANCE,
+                                                warn_only=True)
+                assert gap == error.value.gap and "differ from the trainer's" in caplog.text
+            finally:
+                await client.unload_adapter("graft-v7")
+            # The right adapter passes, with fp32 agreement.
+            await client.load_adapter("graft-v8", str(policy_dir))
+            try:
+                assert await verify_delivery(client, policy, adapter="graft-v8", tolerance=FP32_TOLERANCE) <= 1e-4
+            finally:
+                await client.unload_adapter("graft-v8")
+            # Merged mode without the reload (engine still on the base weights) is caught.
+            with pytest.raises(DeliveryError, match="serving the base model name"):
+                await verify_delivery(client, policy, adapter=None, tolerance=FP32_TOLERANCE)
+
+    asyncio.run(scenario())
