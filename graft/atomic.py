@@ -14,6 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then the directories, so a rename publishes durable data."""
     for dirpath, _, filenames in os.walk(root):
@@ -45,6 +51,8 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = False) -> Iterato
         raise ValueError(f"{target} already exists and is not empty")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # mkdtemp makes 0700; published weights must be readable by engines running as another user.
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
         fsync_tree(tmp)
@@ -67,6 +75,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
