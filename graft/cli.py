@@ -51,6 +51,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
                                  repeats=args.repeats, cycles=args.cycles)
         print_merge_report(result)
+    elif args.which == "sync":
+        from graft.bench.sync import SHAPES, print_sync_report, run_sync_bench
+
+        result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
+        print_sync_report(result)
     else:
         from graft.bench.rollout import print_rollout_report, run_rollout_bench
 
@@ -133,13 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="merge: graft's zero-drift merge vs PEFT merge_adapter() on a ~95M-parameter "
                                    "random bf16 model, LoRA on all linear layers; medians and base drift. "
                                    "rollout: tokens/s of one vLLM server serving base weights, base + adapter, "
-                                   "and the merged weights reloaded; same prompts, rounds interleaved.")
-    p.add_argument("which", choices=["merge", "rollout"], help="benchmark to run")
+                                   "and the merged weights reloaded; same prompts, rounds interleaved. "
+                                   "sync: publish + engine-apply seconds and bytes for adapter, merged and full "
+                                   "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model.")
+    p.add_argument("which", choices=["merge", "rollout", "sync"], help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
+    p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 

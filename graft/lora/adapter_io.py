@@ -109,10 +109,15 @@ def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: to
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return out_dir
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        safetensors.torch.save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        config = adapter_config_dict(model, base_model_name_or_path)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_adapter_files(tensors, adapter_config_dict(model, base_model_name_or_path), tmp)
     return out_dir
+
+
+def write_adapter_files(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> None:
+    """The two PEFT files into the existing directory `out_dir` (not atomic by itself: the caller's
+    directory is, e.g. a publisher's temporary version directory)."""
+    safetensors.torch.save_file(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def read_adapter_config(path: str | os.PathLike) -> dict:

@@ -104,8 +104,12 @@ class WeightPublisher:
         self.keep_versions = keep_versions
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def publish(self, kind: str, version: int, step: int, write: Callable[[Path], None]) -> PublishedVersion:
+    def publish(self, kind: str, version: int, step: int, write: Callable[[Path], None],
+                protect: Collection[int] = ()) -> PublishedVersion:
         """Publish `version` of `kind`: `write(tmp_dir)` fills a fresh directory with its files.
+
+        `protect`: versions the garbage collection after publishing must keep (e.g. adapters an
+        engine still has loaded), beyond the newest `keep_versions`.
 
         If `write` raises, nothing of this version is left behind. A leftover directory of the same
         version without a manifest (a crash before `.ready`) is replaced.
@@ -132,7 +136,7 @@ class WeightPublisher:
         atomic_write_text(ready, json.dumps(_manifest(published), indent=1, sort_keys=True))
         fsync_dir(self.root)
         if self.keep_versions > 0:
-            self.garbage_collect(kind)
+            self.garbage_collect(kind, protect)
         return published
 
     def versions(self, kind: str) -> list[PublishedVersion]:

@@ -1,0 +1,150 @@
+"""`graft bench sync`: seconds and bytes to get a new policy version into a real vLLM server.
+
+For each model shape, one bf16 vLLM server; each mode publishes a new version and applies it:
+- adapter: publish the LoRA adapter (PEFT format) and load it as `<name>-v<N>` (unloading old ones);
+- merged: publish base + LoRA merged (fp32 math) and reload the server's weights from it;
+- full: publish the full weights of a model without LoRA and reload them (full fine-tuning);
+- raw_write: the floor, `safetensors.save_file` + fsync of the same adapter tensors, no engine.
+Modes run interleaved within each round; medians over rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from graft.lora.adapter_io import adapter_state_dict
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.models.loading import load_model
+from graft.models.tokenizer import train_tokenizer
+from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.sync.adapter import AdapterSync
+from graft.sync.inflight import InFlightVersions
+from graft.sync.merged import WeightsSync
+from graft.sync.publish import WeightPublisher
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    rank: int
+
+
+SHAPES = {
+    "tiny": ModelShape("tiny", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, vocab=1024, tied=False,
+                       rank=16),
+    # Qwen2.5-0.5B's shape (random weights): 24 layers, hidden 896, 14 heads, 2 KV heads, tied embeddings.
+    "qwen2.5-0.5b-shape": ModelShape("qwen2.5-0.5b-shape", hidden=896, layers=24, heads=14, kv_heads=2,
+                                     intermediate=4864, vocab=151936, tied=True, rank=16),
+}
+
+
+def _build_base(shape: ModelShape, out: Path) -> Path:
+    """A random bf16 model of `shape` with graft's local tokenizer (ids fit in the vocabulary)."""
+    tokenizer = train_tokenizer()
+    config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=2048,
+                         tie_word_embeddings=shape.tied, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _raw_write_seconds(tensors: dict[str, torch.Tensor], path: Path) -> float:
+    start = time.perf_counter()
+    safetensors.torch.save_file(tensors, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
+    policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
+    full_model = load_model(base, dtype="bfloat16")
+    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in ("adapter", "merged", "full", "raw_write")}
+    async with VllmClient(url) as client:
+        adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
+                                   keep_versions=3, max_loras=4, inflight=InFlightVersions())
+        merged_sync = WeightsSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
+                                  dtype=torch.bfloat16)
+        full_sync = WeightsSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="full",
+                                dtype=torch.bfloat16)
+        try:
+            for version in range(1, repeats + 2):  # version 1 warms up, not counted
+                with torch.no_grad():  # a new policy each round, as after an optimizer step
+                    for param in lora_parameters(policy).values():
+                        param.normal_(std=0.01)
+                results = {"adapter": await adapter_sync.sync(policy, version, version),
+                           "merged": await merged_sync.sync(policy, version, version),
+                           "full": await full_sync.sync(full_model, version, version)}
+                tensors = adapter_state_dict(policy)
+                raw = _raw_write_seconds(tensors, work / f"raw-{version}.safetensors")
+                if version > 1:
+                    for mode, result in results.items():
+                        samples[mode].append((result.seconds, result.bytes))
+                    samples["raw_write"].append((raw, sum(t.numel() * t.element_size() for t in tensors.values())))
+                progress.advance(task)
+        finally:
+            await adapter_sync.close()
+    return {mode: (statistics.median(s for s, _ in values), values[-1][1]) for mode, values in samples.items()}
+
+
+def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), repeats: int = 3) -> dict:
+    """Rows `{"model", "mode", "seconds" (median), "bytes"}` for every shape and mode."""
+    rows = []
+    console = Console(stderr=True)
+    for name in shapes:
+        shape = SHAPES[name]
+        with tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-{name}-") as tmp:
+            work = Path(tmp)
+            with console.status(f"{name}: building a random model and starting vLLM"):
+                base = _build_base(shape, work / "base")
+                server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=shape.rank,
+                                                     max_loras=4, log_dir=work)).start()
+            try:
+                with Progress(transient=True, console=console) as progress:
+                    task = progress.add_task(f"{name}: sync rounds (adapter, merged, full, raw write)",
+                                             total=repeats + 1)
+                    medians = asyncio.run(_rounds(server.url, base, work, shape, repeats, progress, task))
+            finally:
+                server.stop()
+        rows += [{"model": name, "mode": mode, "seconds": seconds, "bytes": size}
+                 for mode, (seconds, size) in medians.items()]
+    return {"repeats": repeats, "rows": rows}
+
+
+def print_sync_report(result: dict) -> None:
+    table = Table(title=f"sync: publish + engine apply (vLLM-CPU, bf16), medians of {result['repeats']} rounds")
+    for column in ("model", "mode", "seconds", "MiB", "x adapter time"):
+        table.add_column(column)
+    by_model: dict[str, dict[str, dict]] = {}
+    for row in result["rows"]:
+        by_model.setdefault(row["model"], {})[row["mode"]] = row
+    for model, modes in by_model.items():
+        for mode, row in modes.items():
+            table.add_row(model, mode, f"{row['seconds']:.3f}", f"{row['bytes'] / 2**20:.1f}",
+                          f"{row['seconds'] / modes['adapter']['seconds']:.1f}")
+    Console().print(table)

@@ -1,0 +1,229 @@
+"""Adapter-mode sync: publish each new LoRA version, load it into the engine as `<lora.name>-v<N>`,
+and unload the versions that fall outside the retention window, never one a running request uses.
+
+One `sync(model, version, step)` per optimizer step, in this order:
+
+1. publish: the adapter's PEFT files into the publisher's temporary directory; atomic, with a `.ready`
+   manifest (`graft.sync.publish`). Runs in a worker thread, so generation on the event loop
+   goes on meanwhile.
+2. make room: the versions that fall outside the window once N is loaded (all but the newest
+   `keep_versions - 1`) are retired now, except the current one (requests may be picking it at
+   this instant). If graft still holds `max_loras` adapters, wait until a retired version's
+   requests finish and it is unloaded, so the engine never holds more than `max_loras` graft
+   adapters. (With `max_loras == 1` that is impossible without a moment with no policy served:
+   then N is loaded first, and the engine holds 2 until the previous version is unloaded.)
+3. load `<lora.name>-vN` from the published directory; it becomes `current`.
+4. retire what is still outside the window (with `keep_versions == 1`: the previous version).
+5. disk: `garbage_collect(protect=loaded)`, so no directory an engine still references is removed.
+
+Retiring a version: if `InFlightVersions` counts no request on it, it is unloaded at once;
+otherwise a background task waits for `inflight.wait_idle(v)` and unloads it then, as soon as its
+last request finishes rather than at the next sync (so the slot frees early and step 2 can wait
+on it). A version is out of the window only once a newer one is current, so only requests that
+picked it before can still be on it; rollout code must read `current_version` and enter
+`inflight.use(v)` without an await in between.
+
+Unloads are best effort: a failure is logged (warning, with the engine's message), counted in
+`unload_failures`, and the version stays in `loaded` (it may still hold a slot, and its directory
+stays protected); the unload is retried at the next sync. `UnknownAdapterError` (or a pool error
+made only of those) means the engine no longer has it, the state we wanted: it is logged as a
+warning, not counted as a failure, and the version is forgotten.
+
+`keep_versions == 0` keeps every version loaded and disables the `max_loras` guard (graft's
+behaviour before retention existed); every loaded version's directory then stays on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+import peft
+
+from graft.lora.adapter_io import adapter_config_dict, adapter_state_dict, write_adapter_files
+from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
+from graft.rollout.pool import PoolBroadcastError
+from graft.sync.inflight import InFlightVersions
+from graft.sync.publish import WeightPublisher
+from graft.sync.result import SyncResult
+
+KIND = "adapter"
+
+
+def adapter_name(lora_name: str, version: int) -> str:
+    """The engine's name of policy `version`: `<lora_name>-v<version>`. The one place names are made."""
+    return f"{lora_name}-v{version}"
+
+
+def adapter_version(lora_name: str, name: str) -> int | None:
+    """The version in `name` if `adapter_name(lora_name, version)` made it, else None."""
+    digits = name.removeprefix(f"{lora_name}-v")
+    if digits == name or not digits.isascii() or not digits.isdigit() or str(int(digits)) != digits:
+        return None
+    return int(digits)
+
+
+class AdapterSync:
+    """The adapter lifecycle on one engine (or an `EnginePool`, which broadcasts).
+
+    Args:
+        engine: Where versions are loaded and unloaded; it reads the published directories.
+        publisher: Writes the versions (kind "adapter") and garbage-collects them on disk.
+        lora_name: `lora.name`; adapter names are `adapter_name(lora_name, version)`.
+        keep_versions: Versions kept loaded, newest first, the one just loaded included; 0 = all.
+        max_loras: The engine's adapter slots (`rollout.max_loras`).
+        inflight: Counts of running requests per version, shared with the rollout code.
+        logger: Where unload failures are reported; default this module's logger.
+
+    Raises:
+        ValueError: keep_versions < 0, max_loras < 1, or keep_versions > max_loras.
+    """
+
+    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, lora_name: str, keep_versions: int,
+                 max_loras: int, inflight: InFlightVersions, logger: logging.Logger | None = None) -> None:
+        if keep_versions < 0 or max_loras < 1 or keep_versions > max_loras:
+            raise ValueError(f"need 0 <= keep_versions <= max_loras and max_loras >= 1 "
+                             f"(got keep_versions={keep_versions}, max_loras={max_loras})")
+        self._engine = engine
+        self._publisher = publisher
+        self._lora_name = lora_name
+        self._keep = keep_versions
+        self._max_loras = max_loras
+        self._inflight = inflight
+        self._log = logger or logging.getLogger(__name__)
+        self._loaded: list[int] = []  # loaded and not (successfully) unloaded, oldest first
+        self._current: int | None = None
+        self._last_version: int | None = None
+        self._unloading: dict[int, asyncio.Task] = {}  # retired versions waiting for their requests
+        self._lock = asyncio.Lock()  # sync and close run one at a time
+        self.unload_failures = 0  # total; each SyncResult carries those since the previous one
+        self._failures_reported = 0
+
+    @property
+    def current(self) -> str | None:
+        """The adapter name requests must use now (None before the first sync and after close)."""
+        return None if self._current is None else adapter_name(self._lora_name, self._current)
+
+    @property
+    def current_version(self) -> int | None:
+        """The version of `current`: what rollout code passes to `inflight.use`."""
+        return self._current
+
+    @property
+    def loaded(self) -> list[int]:
+        """Versions graft loaded and has not unloaded, oldest first (failed unloads included)."""
+        return list(self._loaded)
+
+    async def sync(self, model: peft.PeftModel, version: int, step: int) -> SyncResult:
+        """Publish `model`'s adapter as `version`, load it, make it current, retire old versions.
+
+        May wait for running requests when all `max_loras` slots hold versions still in use.
+
+        Raises:
+            ValueError: `version` is not above the last synced one.
+            EngineError: the engine could not load the new version (`current` is unchanged).
+        """
+        async with self._lock:
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(f"version {version} is not above the last synced version {self._last_version}")
+            start = time.perf_counter()
+            tensors, config = adapter_state_dict(model), adapter_config_dict(model)
+            published = await asyncio.to_thread(self._publisher.publish, KIND, version, step,
+                                                lambda tmp: write_adapter_files(tensors, config, tmp),
+                                                protect=set(self._loaded))
+            self._last_version = version
+            published_at = time.perf_counter()
+
+            tried: set[int] = set()  # retired this sync: a failed unload is retried next sync, not twice now
+            if self._keep:
+                await self._make_room(tried)
+            name = adapter_name(self._lora_name, version)
+            await self._engine.load_adapter(name, str(published.path))
+            self._loaded.append(version)
+            self._current = version
+            if self._keep:
+                await self._retire(self._loaded[:-self._keep], tried)
+            applied_at = time.perf_counter()
+
+            await asyncio.to_thread(self._publisher.garbage_collect, KIND, protect=set(self._loaded))
+            on_engine = await self.engine_adapters()
+            failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
+            return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
+                              publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
+                              bytes=published.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
+
+    async def engine_adapters(self) -> list[str]:
+        """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""
+        return [n for n in await self._engine.list_adapters() if adapter_version(self._lora_name, n) is not None]
+
+    async def close(self) -> None:
+        """Unload every version graft loaded, best effort (failures are logged and counted).
+
+        `current` becomes None at once; versions with running requests are unloaded when those
+        finish, and close returns after that.
+        """
+        async with self._lock:
+            self._current = None
+            await self._retire(list(self._loaded), set())
+            pending = list(self._unloading.values())
+            if pending:
+                self._log.info("waiting for in-flight requests on version(s) %s before unloading them",
+                               sorted(self._unloading))
+                await asyncio.gather(*pending)
+            if self._loaded:
+                self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in self._loaded])
+
+    # -- retirement --------------------------------------------------------------------------------
+
+    async def _make_room(self, tried: set[int]) -> None:
+        """Step 2 of the module docstring: before loading one more version."""
+        outside = len(self._loaded) - max(self._keep - 1, 1)  # never the current (newest) one
+        await self._retire(self._loaded[:max(outside, 0)], tried)
+        while len(self._loaded) >= self._max_loras and self._unloading:
+            await asyncio.wait(list(self._unloading.values()), return_when=asyncio.FIRST_COMPLETED)
+        if len(self._loaded) >= self._max_loras and len(self._loaded) > 1:
+            self._log.warning("loading one more adapter while graft holds %d (max_loras %d): unloads of %s failed",
+                              len(self._loaded), self._max_loras, self._loaded[:-1])
+
+    async def _retire(self, versions: Iterable[int], tried: set[int]) -> None:
+        """Unload each idle version now; schedule the busy ones to unload when their requests finish."""
+        for version in versions:
+            if version in tried or version in self._unloading:
+                continue
+            tried.add(version)
+            if self._inflight.count(version):
+                self._unloading[version] = asyncio.create_task(self._unload_when_idle(version),
+                                                               name=f"unload {adapter_name(self._lora_name, version)}")
+            else:
+                await self._unload(version)
+
+    async def _unload_when_idle(self, version: int) -> None:
+        try:
+            await self._inflight.wait_idle(version)
+            await self._unload(version)
+        finally:
+            del self._unloading[version]
+
+    async def _unload(self, version: int) -> None:
+        """Unload `version`; never raises an EngineError (see the module docstring)."""
+        assert self._inflight.count(version) == 0, f"version {version} is in use"
+        name = adapter_name(self._lora_name, version)
+        try:
+            await self._engine.unload_adapter(name)
+        except EngineError as error:
+            if not _already_gone(error):
+                self.unload_failures += 1
+                self._log.warning("unloading adapter %s failed (retried at the next sync): %s", name, error)
+                return
+            self._log.warning("adapter %s was already gone from the engine: %s", name, error)
+        self._loaded.remove(version)
+
+
+def _already_gone(error: EngineError) -> bool:
+    """True when the engine (every failing engine of a pool) says the adapter is not loaded."""
+    if isinstance(error, PoolBroadcastError):
+        return all(isinstance(e, UnknownAdapterError) for e in error.failures.values())
+    return isinstance(error, UnknownAdapterError)
+
