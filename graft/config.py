@@ -132,6 +132,11 @@ class SyncConfig(_Section):
         "auto", description="Adapter versions kept loaded on the server; auto = max_staleness + 2, 0 = never unload."
     )
     verify: bool = Field(True, description="Check after each push that the engine serves exactly the trained weights.")
+    verify_tolerance: float | None = Field(
+        None, gt=0, description="Largest allowed per-token |engine - trainer| log-prob gap on the probe prompt; "
+        "null = by model.dtype (float32: 1e-3, bfloat16/float16: 0.1).")
+    verify_action: Literal["error", "warn"] = Field(
+        "error", description="What a failed delivery check does: stop the run (error) or log a warning.")
 
     @field_validator("keep_versions", mode="before")
     @classmethod

@@ -1,0 +1,84 @@
+import asyncio
+
+import pytest
+import torch
+from tests.helpers import trained_like_peft_model
+
+from graft.config import load_config
+from graft.lora.attach import lora_parameters
+from graft.rollout.reference import ReferenceEngine
+from graft.sync.policy_sync import PolicySync, check_sync_config
+from graft.sync.verify import DeliveryError
+
+METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "logprob_abs_diff_max",
+               "policy_version"}
+
+
+def _config(base_dir, *overrides):
+    return load_config(None, [f"model.path={base_dir}", "rollout.engine=reference", "rollout.max_loras=4",
+                              "lora.name=policy", *overrides])
+
+
+def _step(model, seed):
+    with torch.no_grad():
+        for param in lora_parameters(model).values():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.01)
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_policy_sync_syncs_verifies_and_reports_metrics(base_dir, tmp_path, mode):
+    config = _config(base_dir, f"sync.mode={mode}", "sync.keep_versions=2")
+    model = trained_like_peft_model(base_dir)
+    engine = ReferenceEngine(base_dir)
+
+    async def scenario():
+        sync = PolicySync(config, engine, tmp_path)
+        rows = []
+        for version in (1, 2, 3):
+            _step(model, version)
+            rows.append(await sync(model, version, step=version))
+            assert sync.adapter == (f"policy-v{version}" if mode == "adapter" else None)
+        await sync.close()
+        return rows, await engine.list_adapters()
+
+    rows, left_loaded = asyncio.run(scenario())
+    for version, row in enumerate(rows, start=1):
+        assert set(row) == METRIC_KEYS
+        assert row["sync_mode"] == mode and row["policy_version"] == version
+        assert row["sync_bytes"] > 0 and row["sync_seconds"] > 0
+        assert row["logprob_abs_diff_max"] <= 1e-3  # fp32 reference engine: the same numbers as the trainer
+    assert [r["engine_adapters_loaded"] for r in rows] == ([1, 2, 2] if mode == "adapter" else [0, 0, 0])
+    assert left_loaded == []
+
+
+def test_a_failed_delivery_stops_the_run_or_warns(base_dir, tmp_path):
+    model = trained_like_peft_model(base_dir)
+
+    class DroppingEngine(ReferenceEngine):
+        """Answers the load but never applies it: the silent non-delivery other systems suffer."""
+
+        async def reload_weights(self, path):
+            return None
+
+    async def run(action):
+        sync = PolicySync(_config(base_dir, "sync.mode=merged", f"sync.verify_action={action}"),
+                          DroppingEngine(base_dir), tmp_path / action)
+        return await sync(model, 1, step=1)
+
+    with pytest.raises(DeliveryError, match="differ from the trainer's"):
+        asyncio.run(run("error"))
+    assert asyncio.run(run("warn"))["logprob_abs_diff_max"] > 1e-3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sync.mode=full"], "graft trains a LoRA adapter"),
+    (["sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]"], "cannot read: set sync.dir"),
+])
+def test_impossible_sync_settings_are_rejected_before_anything_starts(base_dir, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_sync_config(_config(base_dir, *overrides))
+
+
+def test_merged_sync_to_a_remote_engine_is_fine_with_a_shared_dir(base_dir):
+    check_sync_config(_config(base_dir, "sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]",
+                              "sync.dir=/shared/weights"))
