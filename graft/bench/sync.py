@@ -4,6 +4,7 @@ For each model shape, one bf16 vLLM server; each mode publishes a new version an
 - adapter: publish the LoRA adapter (PEFT format) and load it as `<name>-v<N>` (unloading old ones);
 - merged: publish base + LoRA merged (fp32 math) and reload the server's weights from it;
 - full: publish the full weights of a model without LoRA and reload them (full fine-tuning);
+- adapter_publish: the publishing part of adapter sync alone (files, fsync, hashes, manifest);
 - raw_write: the floor, `safetensors.save_file` + fsync of the same adapter tensors, no engine.
 Modes run interleaved within each round; medians over rounds.
 """
@@ -84,7 +85,8 @@ def _raw_write_seconds(tensors: dict[str, torch.Tensor], path: Path) -> float:
 async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
     policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
     full_model = load_model(base, dtype="bfloat16")
-    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in ("adapter", "merged", "full", "raw_write")}
+    samples: dict[str, list[tuple[float, int]]] = {
+        m: [] for m in ("adapter", "adapter_publish", "merged", "full", "raw_write")}
     async with VllmClient(url) as client:
         adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
                                    keep_versions=3, max_loras=4, inflight=InFlightVersions())
@@ -105,6 +107,7 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
                 if version > 1:
                     for mode, result in results.items():
                         samples[mode].append((result.seconds, result.bytes))
+                    samples["adapter_publish"].append((results["adapter"].publish_seconds, results["adapter"].bytes))
                     samples["raw_write"].append((raw, sum(t.numel() * t.element_size() for t in tensors.values())))
                 progress.advance(task)
         finally:
