@@ -5,7 +5,8 @@ For each model shape, one bf16 vLLM server; each mode publishes a new version an
 - merged: publish base + LoRA merged (fp32 math) and reload the server's weights from it;
 - full: publish the full weights of a model without LoRA and reload them (full fine-tuning);
 - adapter_publish: the publishing part of adapter sync alone (files, fsync, hashes, manifest);
-- raw_write: the floor, `safetensors.save_file` + fsync of the same adapter tensors, no engine.
+- raw_write: the floor: gather the same adapter tensors from the model, `safetensors.save_file`,
+  fsync; no manifest, no hashes, no engine.
 Modes run interleaved within each round; medians over rounds.
 """
 
@@ -24,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from graft.lora.adapter_io import adapter_state_dict
@@ -74,12 +76,14 @@ def _build_base(shape: ModelShape, out: Path) -> Path:
     return out
 
 
-def _raw_write_seconds(tensors: dict[str, torch.Tensor], path: Path) -> float:
+def _raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
+    """The floor: gather the adapter tensors (as publishing does) and write them, fsynced. (seconds, bytes)"""
     start = time.perf_counter()
+    tensors = adapter_state_dict(policy)
     safetensors.torch.save_file(tensors, path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
@@ -102,13 +106,12 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
                 results = {"adapter": await adapter_sync.sync(policy, version, version),
                            "merged": await merged_sync.sync(policy, version, version),
                            "full": await full_sync.sync(full_model, version, version)}
-                tensors = adapter_state_dict(policy)
-                raw = _raw_write_seconds(tensors, work / f"raw-{version}.safetensors")
+                raw = _raw_write_seconds(policy, work / f"raw-{version}.safetensors")
                 if version > 1:
                     for mode, result in results.items():
                         samples[mode].append((result.seconds, result.bytes))
                     samples["adapter_publish"].append((results["adapter"].publish_seconds, results["adapter"].bytes))
-                    samples["raw_write"].append((raw, sum(t.numel() * t.element_size() for t in tensors.values())))
+                    samples["raw_write"].append(raw)
                 progress.advance(task)
         finally:
             await adapter_sync.close()
