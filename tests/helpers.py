@@ -28,3 +28,18 @@ def live_group_members(pgid: int) -> list[str]:
     listing = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,args="], capture_output=True, text=True, check=True)
     rows = (line.split(None, 3) for line in listing.stdout.splitlines())
     return [" ".join(row) for row in rows if int(row[0]) == pgid and not row[2].startswith("Z")]
+
+
+def hf_greedy(model: torch.nn.Module, prompts_P, max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Transformers greedy tokens and their raw log-probs per prompt (`eos_token_id=[]` is vLLM's ignore_eos)."""
+    tokens_P, logprobs_P = [], []
+    for prompt in prompts_P:
+        input_ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[],
+                                 output_logits=True, return_dict_in_generate=True)
+        tokens_T = out.sequences[0, len(prompt):].tolist()
+        tokens_P.append(tokens_T)
+        logprobs_P.append([torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens_T)])
+    return tokens_P, logprobs_P

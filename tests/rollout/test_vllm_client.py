@@ -37,7 +37,7 @@ from graft.rollout.vllm_client import (
     parse_completions,
 )
 from graft.rollout.vllm_launcher import free_port
-from tests.helpers import trained_like_peft_model
+from tests.helpers import hf_greedy, trained_like_peft_model
 
 MAX_NEW_TOKENS = 16
 # 300 and 40 tokens span full KV blocks of 16, so they are prefix-cached: a stale cache after a
@@ -248,18 +248,7 @@ def test_closed_loopback_port_is_unavailable_after_retries_and_unhealthy():
 # ---- the real vLLM server ----
 
 def _hf_greedy(model: torch.nn.Module) -> tuple[list[list[int]], list[list[float]]]:
-    """Transformers greedy tokens and their log-probs for PROMPTS_P (`eos_token_id=[]` is ignore_eos)."""
-    tokens_P, logprobs_P = [], []
-    for prompt in PROMPTS_P:
-        input_ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=[],
-                                 output_logits=True, return_dict_in_generate=True)
-        tokens_T = out.sequences[0, len(prompt):].tolist()
-        tokens_P.append(tokens_T)
-        logprobs_P.append([torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens_T)])
-    return tokens_P, logprobs_P
+    return hf_greedy(model, PROMPTS_P, MAX_NEW_TOKENS)
 
 
 async def _greedy(client: VllmClient, adapter: str | None = None) -> tuple[list[list[int]], list[list[float]]]:

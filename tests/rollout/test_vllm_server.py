@@ -29,7 +29,7 @@ from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
-from tests.helpers import live_group_members, trained_like_peft_model
+from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
 # The 300-token prompt spans full KV blocks, so it is prefix-cached: a stale cache after a weight
@@ -73,18 +73,7 @@ def _vllm_greedy(server: VllmServer, model: str | None = None) -> tuple[list[lis
 
 
 def _hf_greedy(model: torch.nn.Module) -> tuple[list[list[int]], list[list[float]]]:
-    """The transformers reference for `_vllm_greedy` (`eos_token_id=[]` is vLLM's ignore_eos)."""
-    tokens_P, logprobs_P = [], []
-    for prompt in PROMPTS_P:
-        input_ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[],
-                                 output_logits=True, return_dict_in_generate=True)
-        tokens_T = out.sequences[0, len(prompt):].tolist()
-        tokens_P.append(tokens_T)
-        logprobs_P.append([torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens_T)])
-    return tokens_P, logprobs_P
+    return hf_greedy(model, PROMPTS_P, MAX_TOKENS)
 
 
 def _assert_same_greedy(got, want) -> None:
