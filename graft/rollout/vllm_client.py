@@ -201,6 +201,10 @@ class VllmClient:
         try:
             await self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         except EngineError as error:
+            if error.status == 404 and error.server_message == "Not Found":  # the route itself is missing
+                raise BadRequestError("this vLLM server does not accept runtime LoRA adapters: start it with "
+                                      "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (graft serve and "
+                                      "graft's launcher do)", address=self.address, status=404) from error
             raise _naming_path(error, path) from error
 
     async def unload_adapter(self, name: str) -> None:

@@ -387,3 +387,15 @@ def test_seeded_sampling_returns_n_completions_under_the_concurrency_bound(vllm_
     assert first_P == again_P, "the same seed gave different samples"
     assert any(len({c.token_ids for c in out}) > 1 for out in first_P), "the n samples are all identical"
     assert counter.peak == 2
+
+
+def test_a_server_without_runtime_lora_loading_gets_an_explaining_error():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"detail": "Not Found"})  # FastAPI's answer for a missing route
+
+    async def main():
+        async with _mock_client(handler) as client:
+            await client.load_adapter("policy-v1", "/adapters/v1")
+
+    with pytest.raises(BadRequestError, match="does not accept runtime LoRA adapters.*VLLM_ALLOW_RUNTIME_LORA"):
+        asyncio.run(main())
