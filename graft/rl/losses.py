@@ -1,0 +1,195 @@
+"""Policy-gradient losses: token log-probs, PPO-clip, k3 KL, truncated importance weights, GRPO.
+
+Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens, ``_V`` vocabulary. Every ``_BT``
+function also works on packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count
+(completion tokens); masked positions are selected out with ``torch.where``, so whatever sits at
+padding (even inf or NaN) cannot change the loss.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+Aggregation = Callable[[Tensor, Tensor], Tensor]
+
+
+def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
+    """``logprobs_BT[b, t] = log_softmax(logits_BTV[b, t])[tokens_BT[b, t]]``, in float32.
+
+    The caller aligns: ``tokens_BT[b, t]`` must be the token that the logits at ``t`` predict
+    (the next token; see ``graft.rl.packing.next_token_targets``).
+    """
+    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
+    return logprobs_BTV.gather(dim=-1, index=tokens_BT.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits_BTV: Tensor) -> Tensor:
+    """``entropy_BT = -sum_v p_v log p_v`` of the softmax of the logits, in float32."""
+    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
+    return -(logprobs_BTV.exp() * logprobs_BTV).sum(dim=-1)
+
+
+def _token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean over all valid tokens of the batch: long sequences weigh more."""
+    return torch.where(mask_BT, values_BT, 0.0).sum() / mask_BT.sum().clamp(min=1)
+
+
+def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean over the valid tokens of each sequence, then over the sequences (all B rows)."""
+    per_seq_B = torch.where(mask_BT, values_BT, 0.0).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return per_seq_B.mean()
+
+
+# Loss aggregations by name: (values_BT, mask_BT) -> scalar.
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+}
+
+
+def get_aggregation(name: str) -> Aggregation:
+    """Looks up ``AGGREGATIONS[name]``.
+
+    Raises:
+        ValueError: If ``name`` is not registered; the message lists the registered names.
+    """
+    try:
+        return AGGREGATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown loss aggregation {name!r}; registered: {sorted(AGGREGATIONS)}") from None
+
+
+def _ppo_clip_terms(
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_B: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO-clip loss ``-min(r A, clip(r, 1-eps, 1+eps) A)`` with ``r = exp(new - old)``.
+
+    Returns ``(loss_BT, ratio_BT, clipped_BT)``; ``clipped_BT`` is True where the clipped term is the
+    active one and has zero gradient (``A > 0, r > 1+eps`` or ``A < 0, r < 1-eps``).
+    """
+    adv_B1 = advantages_B.unsqueeze(-1)
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT.detach())
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_obj_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv_B1
+    loss_BT = -torch.minimum(unclipped_BT, clipped_obj_BT)
+    with torch.no_grad():
+        clipped_BT = ((adv_B1 > 0) & (ratio_BT > 1.0 + clip_eps)) | ((adv_B1 < 0) & (ratio_BT < 1.0 - clip_eps))
+    return loss_BT, ratio_BT, clipped_BT
+
+
+def ppo_clip_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    clip_eps: float,
+    agg: str,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip: ``agg_t[-min(r_t A, clip(r_t, 1-eps, 1+eps) A)]``, ``r_t = exp(logp_t - old_t)``.
+
+    At ``r = 1`` the gradient is ``-A * grad(logp)``, aggregated like the loss.
+
+    Args:
+        logprobs_BT: Current policy's log-probs of the sampled tokens (with grad).
+        old_logprobs_BT: Log-probs of the policy that sampled (detached here).
+        advantages_B: One advantage per sequence, broadcast over its tokens.
+        mask_BT: True at the tokens that count.
+        clip_eps: Clip range of the ratio.
+        agg: Name in ``AGGREGATIONS``.
+
+    Returns:
+        ``(loss, stats)``; stats are token-means over the mask: ``clip_fraction``, ``ratio_mean``.
+
+    Raises:
+        ValueError: If ``agg`` is not registered.
+    """
+    aggregate = get_aggregation(agg)
+    loss_BT, ratio_BT, clipped_BT = _ppo_clip_terms(logprobs_BT, old_logprobs_BT, advantages_B, clip_eps)
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": _token_mean(clipped_BT.float(), mask_BT).item(),
+            "ratio_mean": _token_mean(ratio_BT, mask_BT).item(),
+        }
+    return aggregate(loss_BT, mask_BT), stats
+
+
+def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - new``.
+
+    Unbiased under samples from the policy, and ``>= 0`` token by token. Written as
+    ``expm1(d) - d``: ``expm1`` keeps precision near ``d = 0`` and, faithfully rounded, never falls
+    below ``d``, so the result is never a tiny negative number.
+    """
+    d_BT = ref_logprobs_BT - logprobs_BT
+    return torch.expm1(d_BT) - d_BT
+
+
+def truncated_importance_weights(trainer_logprobs_BT: Tensor, engine_logprobs_BT: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (TIS): ``min(exp(trainer - engine), cap)``, detached.
+
+    Corrects for the inference engine sampling from a slightly different distribution than the
+    trainer computes (kernels, precision, a stale adapter): the weight multiplies the per-token
+    policy loss; the cap bounds the variance.
+
+    Raises:
+        ValueError: If ``cap`` is not positive.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be positive, got {cap}")
+    return torch.exp(trainer_logprobs_BT.detach() - engine_logprobs_BT.detach()).clamp(max=cap)
+
+
+def grpo_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    ref_logprobs_BT: Tensor | None,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps: float,
+    kl_coef: float,
+    entropy_BT: Tensor | None,
+    entropy_coef: float,
+    agg: str,
+    tis_weights_BT: Tensor | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO loss: ``agg_t[w_t * ppo_t + kl_coef * k3_t - entropy_coef * H_t]``.
+
+    ``ppo_t`` is the per-token PPO-clip loss (see ``ppo_clip_loss``), ``w_t`` the truncated
+    importance weight (1 when ``tis_weights_BT`` is None), ``k3_t = kl_k3(logprobs, ref)`` and
+    ``H_t`` the token entropy. A term with coefficient 0 and no tensor is left out entirely.
+
+    Returns:
+        ``(loss, stats)``; stats are float token-means over the mask: ``pg_loss``, ``kl``,
+        ``entropy`` (0.0 when not given), ``clip_fraction``, ``ratio_mean``.
+
+    Raises:
+        ValueError: If ``agg`` is not registered, or a nonzero ``kl_coef``/``entropy_coef`` comes
+            without ``ref_logprobs_BT``/``entropy_BT``.
+    """
+    aggregate = get_aggregation(agg)
+    if kl_coef and ref_logprobs_BT is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_BT")
+    if entropy_coef and entropy_BT is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy_BT")
+
+    pg_BT, ratio_BT, clipped_BT = _ppo_clip_terms(logprobs_BT, old_logprobs_BT, advantages_B, clip_eps)
+    if tis_weights_BT is not None:
+        pg_BT = pg_BT * tis_weights_BT
+    loss_BT = pg_BT
+    kl_BT = kl_k3(logprobs_BT, ref_logprobs_BT) if ref_logprobs_BT is not None else None
+    if kl_BT is not None and kl_coef:
+        loss_BT = loss_BT + kl_coef * kl_BT
+    if entropy_BT is not None and entropy_coef:
+        loss_BT = loss_BT - entropy_coef * entropy_BT
+
+    with torch.no_grad():
+        stats = {
+            "pg_loss": _token_mean(pg_BT, mask_BT).item(),
+            "kl": _token_mean(kl_BT, mask_BT).item() if kl_BT is not None else 0.0,
+            "entropy": _token_mean(entropy_BT, mask_BT).item() if entropy_BT is not None else 0.0,
+            "clip_fraction": _token_mean(clipped_BT.float(), mask_BT).item(),
+            "ratio_mean": _token_mean(ratio_BT, mask_BT).item(),
+        }
+    return aggregate(loss_BT, mask_BT), stats

@@ -1,0 +1,157 @@
+"""Laying (prompt, completion) sequences out for one forward pass: packed or padded.
+
+Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch rows, ``_T`` tokens
+per padded row. Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
+token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
+completion token, so with ``targets = next_token_targets(input_ids)`` and
+``logprobs = token_logprobs(logits, targets)`` the masked values are exactly the completion
+tokens' log-probs, in order. A sequence of prompt length P and completion length C has its mask
+at in-sequence positions ``P-1 .. P+C-2``.
+
+Packed attention: a packed row needs ``position_ids`` that restart at 0 per sequence (given here)
+AND attention restricted to each sequence's own tokens — a block-diagonal causal mask
+(``block_diagonal_mask``) or varlen attention (flash-attn's ``cu_seqlens``). Position ids alone do
+not stop a token attending to the sequences packed before it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+
+PAD_SIDES = ("left", "right")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Sequences concatenated into one row of N tokens, no padding.
+
+    Attributes:
+        input_ids_N: prompt + completion of each sequence, back to back (int64).
+        position_ids_N: 0, 1, ... restarting at every sequence start (int64).
+        completion_mask_N: True where the next token is a completion token of the same sequence.
+        seq_lens: Tokens per sequence (prompt + completion).
+        completion_lens: Completion tokens per sequence.
+    """
+
+    input_ids_N: Tensor
+    position_ids_N: Tensor
+    completion_mask_N: Tensor
+    seq_lens: list[int]
+    completion_lens: list[int]
+
+
+def _check(sequences: list[Sequence]) -> None:
+    if not sequences:
+        raise ValueError("no sequences to lay out")
+    for i, (prompt, _) in enumerate(sequences):
+        # The first completion token is scored by the logits at the last prompt token.
+        if not prompt:
+            raise ValueError(f"sequence {i} has an empty prompt; its first completion token has no predictor")
+
+
+def _completion_mask(prompt_len: int, completion_len: int) -> Tensor:
+    """``mask_L`` for one sequence of ``L = P + C`` tokens: True at ``P-1 .. P+C-2``."""
+    mask_L = torch.zeros(prompt_len + completion_len, dtype=torch.bool)
+    mask_L[prompt_len - 1 : prompt_len - 1 + completion_len] = True
+    return mask_L
+
+
+def next_token_targets(input_ids_xT: Tensor) -> Tensor:
+    """``targets[..., t] = input_ids[..., t + 1]``: the token the logits at ``t`` score.
+
+    The last position wraps around to the row's first token (a valid index); it is never under a
+    completion mask, nor is any position whose next token belongs to another sequence or padding.
+    """
+    return torch.roll(input_ids_xT, shifts=-1, dims=-1)
+
+
+def pack(sequences: list[Sequence]) -> Packed:
+    """Packs ``(prompt, completion)`` pairs into one row (see ``Packed``).
+
+    Raises:
+        ValueError: If there are no sequences or a prompt is empty.
+    """
+    _check(sequences)
+    ids, positions, masks = [], [], []
+    for prompt, completion in sequences:
+        ids.append(torch.tensor(prompt + completion, dtype=torch.long))
+        positions.append(torch.arange(len(prompt) + len(completion)))
+        masks.append(_completion_mask(len(prompt), len(completion)))
+    return Packed(
+        input_ids_N=torch.cat(ids),
+        position_ids_N=torch.cat(positions),
+        completion_mask_N=torch.cat(masks),
+        seq_lens=[len(p) + len(c) for p, c in sequences],
+        completion_lens=[len(c) for _, c in sequences],
+    )
+
+
+def unpack_completion_logprobs(values_N: Tensor, packed: Packed) -> list[Tensor]:
+    """Each sequence's completion-token values, in order, from per-position values of a packed row.
+
+    Args:
+        values_N: ``[N]`` or ``[1, N]`` per-position values (log-probs of the next token, entropy...).
+        packed: The layout the values were computed on.
+
+    Returns:
+        One tensor per sequence, of its completion length.
+    """
+    values_N = values_N.reshape(-1)
+    assert values_N.numel() == packed.input_ids_N.numel(), "values do not match the packed layout"
+    return list(values_N[packed.completion_mask_N].split(packed.completion_lens))
+
+
+def block_diagonal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive causal mask ``[1, 1, N, N]`` that keeps each packed sequence to itself.
+
+    0 where query ``i`` may attend key ``j`` (same sequence, ``j <= i``), ``finfo(dtype).min``
+    elsewhere — the 4-D mask HF models take as ``attention_mask`` for a packed row.
+    """
+    seq_id_N = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    n = seq_id_N.numel()
+    allowed_NN = (seq_id_N[:, None] == seq_id_N[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    mask_NN = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed_NN, torch.finfo(dtype).min)
+    return mask_NN[None, None]
+
+
+def pad(sequences: list[Sequence], side: str, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pads ``(prompt, completion)`` pairs to one ``[B, T]`` batch, T the longest sequence.
+
+    Left padding needs explicit ``position_ids`` (``position_ids_from_mask``); HF's default
+    ``arange`` would shift every left-padded sequence's positions.
+
+    Returns:
+        ``(input_ids_BT, attention_mask_BT, completion_mask_BT)``: int64 ids, int64 1/0 attention
+        mask, and a bool mask True where the next token is a completion token.
+
+    Raises:
+        ValueError: If ``side`` is not "left"/"right", there are no sequences or a prompt is empty.
+    """
+    if side not in PAD_SIDES:
+        raise ValueError(f"pad side must be one of {PAD_SIDES}, got {side!r}")
+    _check(sequences)
+    t = max(len(p) + len(c) for p, c in sequences)
+    input_ids_BT = torch.full((len(sequences), t), pad_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros(len(sequences), t, dtype=torch.long)
+    completion_mask_BT = torch.zeros(len(sequences), t, dtype=torch.bool)
+    for b, (prompt, completion) in enumerate(sequences):
+        n = len(prompt) + len(completion)
+        cols = slice(t - n, t) if side == "left" else slice(0, n)
+        input_ids_BT[b, cols] = torch.tensor(prompt + completion, dtype=torch.long)
+        attention_mask_BT[b, cols] = 1
+        completion_mask_BT[b, cols] = _completion_mask(len(prompt), len(completion))
+    return input_ids_BT, attention_mask_BT, completion_mask_BT
+
+
+def position_ids_from_mask(attention_mask_BT: Tensor) -> Tensor:
+    """``position_ids_BT``: 0, 1, ... over each row's real tokens (padding gets 0)."""
+    return (attention_mask_BT.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def padded_completion_logprobs(values_BT: Tensor, completion_mask_BT: Tensor) -> list[Tensor]:
+    """Each row's completion-token values, in order, from per-position values of a padded batch."""
+    assert values_BT.shape == completion_mask_BT.shape, "values do not match the padded layout"
+    return [row_T[mask_T] for row_T, mask_T in zip(values_BT, completion_mask_BT)]

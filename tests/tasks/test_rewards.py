@@ -1,0 +1,83 @@
+"""The rewards, their registry and score (CPU, pure Python)."""
+
+import pytest
+
+from graft.tasks import REWARDS, Example, get_reward, score
+from graft.tasks.rewards import exact_numeric, exact_numeric_and_format, format_reward
+
+EX_81 = Example("What is 23 + 58? Answer with the number only.", "81")
+
+# completion -> (exact_numeric, format)
+CASES = {
+    "81": (1.0, 1.0),
+    " 81\n": (1.0, 1.0),
+    "The answer is 81.": (1.0, 0.0),
+    "8 1": (0.0, 0.0),
+    "-5": (0.0, 1.0),
+    "81 or 82": (0.0, 0.0),  # the last number counts
+    "82 or 81": (1.0, 0.0),
+    "": (0.0, 0.0),
+    "eighty-one": (0.0, 0.0),
+    "81.0": (1.0, 1.0),  # equal numerically
+    "81.5": (0.0, 1.0),  # not read as "5"
+    "+81": (1.0, 1.0),
+    "81\n\n82": (0.0, 0.0),
+    "x81": (0.0, 0.0),  # part of a word, not a number
+}
+
+
+@pytest.mark.parametrize("completion", CASES)
+def test_exact_numeric(completion):
+    assert exact_numeric(completion, EX_81) == CASES[completion][0]
+
+
+@pytest.mark.parametrize("completion", CASES)
+def test_format(completion):
+    assert format_reward(completion, EX_81) == CASES[completion][1]
+
+
+@pytest.mark.parametrize("completion", CASES)
+def test_shaped(completion):
+    exact, fmt = CASES[completion]
+    assert exact_numeric_and_format(completion, EX_81) == pytest.approx(0.9 * exact + 0.1 * fmt)
+
+
+def test_negative_answer_and_sign_rules():
+    ex = Example("What is 3 - 8?", "-5")
+    assert exact_numeric("-5", ex) == 1.0
+    assert exact_numeric("It is -5.", ex) == 1.0
+    assert exact_numeric("5", ex) == 0.0
+    assert exact_numeric("3-8 = -5", ex) == 1.0
+    assert exact_numeric("10-5", Example("q", "5")) == 1.0  # "-" after a digit is an operator
+
+
+def test_thousands_separators():
+    ex = Example("q", "1234")
+    assert exact_numeric("1,234", ex) == 1.0
+    assert format_reward("1,234", ex) == 1.0
+    assert exact_numeric("12,34", ex) == 0.0  # not groups of three: "12" and "34"
+    assert exact_numeric("81,82", Example("q", "82")) == 1.0
+
+
+def test_answer_must_be_numeric():
+    with pytest.raises(ValueError, match="'eighty-one' is not a number"):
+        exact_numeric("81", Example("q", "eighty-one"))
+
+
+def test_registry_and_get_reward():
+    assert set(REWARDS) == {"exact_numeric", "format", "exact_numeric+format"}
+    assert get_reward("exact_numeric") is exact_numeric
+    assert get_reward("format") is format_reward
+    assert get_reward("exact_numeric+format") is exact_numeric_and_format
+    with pytest.raises(ValueError, match=r"unknown reward 'exact'.*'exact_numeric'.*'format'"):
+        get_reward("exact")
+
+
+def test_score():
+    examples = [EX_81, Example("q", "-5"), EX_81]
+    assert score(exact_numeric, ["81", "-5", "80"], examples) == [1.0, 1.0, 0.0]
+    assert score(get_reward("exact_numeric+format"), ["The answer is 81.", "-5", "no"], examples) == pytest.approx(
+        [0.9, 1.0, 0.0]
+    )
+    with pytest.raises(ValueError, match="2 completions but 3 examples"):
+        score(exact_numeric, ["81", "81"], examples)
