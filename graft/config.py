@@ -168,7 +168,7 @@ class TrainConfig(_Section):
 class DataConfig(_Section):
     task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
     path: str | None = Field(None, description="JSONL file of training prompts; replaces data.task.")
-    eval_path: str | None = Field(None, description="JSONL file of held-out prompts; null = no eval set.")
+    eval_path: str | None = Field(None, description="JSONL file of held-out prompts; null = a deterministic 10% held-out split of data.path (built-in tasks have their own held-out split).")
     reward: str = Field("exact_numeric", description="Name of the reward function that scores completions.")
 
     @model_validator(mode="before")

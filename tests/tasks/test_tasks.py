@@ -146,7 +146,7 @@ def test_render_prompt_ids_uses_chat_template(tokenizer):
     assert ids.count(tokenizer.eos_token_id) == 1
     # Ends with the opened assistant turn, so the model's first token is its answer.
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert ids[-len(header):] == header
+    assert ids[-len(header) :] == header
     # The prompt text round-trips, digit by digit.
     digits = [tokenizer.convert_tokens_to_ids(d) for d in "2358"]
     assert all(d in ids for d in digits)
