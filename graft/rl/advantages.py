@@ -3,7 +3,6 @@
 Shape suffixes: ``_P`` prompts, ``_G`` completions per prompt (the group).
 """
 
-import torch
 from torch import Tensor
 
 

@@ -1,0 +1,52 @@
+"""graft.rl.advantages: GRPO group advantages."""
+
+import pytest
+import torch
+
+from graft.rl.advantages import group_advantages
+
+
+def test_hand_computed_values():
+    rewards_PG = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
+    # Row 0: mean 0.5, std 0.5. Row 1: mean 2, population std sqrt(0.5).
+    expected_PG = torch.tensor([[1.0, -1.0, -1.0, 1.0], [1.0, -1.0, 0.0, 0.0]])
+    expected_PG[1] /= 0.5**0.5
+    torch.testing.assert_close(group_advantages(rewards_PG, eps=0.0), expected_PG)
+    torch.testing.assert_close(group_advantages(rewards_PG, normalize_std=False), rewards_PG - rewards_PG.mean(1, True))
+
+
+def test_constant_groups_give_exact_zeros():
+    rewards_PG = torch.tensor([[0.1, 0.1, 0.1], [7.0, 7.0, 7.0], [0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    for normalize_std in (True, False):
+        adv_PG = group_advantages(rewards_PG, normalize_std=normalize_std)
+        assert torch.isfinite(adv_PG).all()
+        assert torch.equal(adv_PG[:3], torch.zeros(3, 3))
+        assert (adv_PG[3] != 0).sum() == 2
+    single_P1 = group_advantages(torch.tensor([[5.0], [-2.0]]))
+    assert torch.equal(single_P1, torch.zeros(2, 1))
+
+
+def test_random_groups_are_centred_and_scaled():
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        num_prompts, group = torch.randint(1, 6, (2,), generator=g).tolist()
+        group += 1
+        rewards_PG = torch.randint(0, 3, (num_prompts, group), generator=g).float()
+        adv_PG = group_advantages(rewards_PG)
+        assert torch.isfinite(adv_PG).all()
+        torch.testing.assert_close(adv_PG.mean(1), torch.zeros(num_prompts), atol=1e-5, rtol=0)
+        varied_P = rewards_PG.amax(1) != rewards_PG.amin(1)
+        std_P = adv_PG.std(1, correction=0)
+        torch.testing.assert_close(std_P[varied_P], torch.ones(int(varied_P.sum())), atol=1e-4, rtol=0)
+        assert torch.equal(std_P[~varied_P], torch.zeros(int((~varied_P).sum())))
+        # Order within the group is preserved.
+        assert torch.equal(adv_PG.argsort(dim=1, stable=True), rewards_PG.argsort(dim=1, stable=True))
+
+
+def test_integer_rewards_are_accepted():
+    assert group_advantages(torch.tensor([[0, 1]])).dtype == torch.float32
+
+
+def test_non_2d_rewards_raise():
+    with pytest.raises(ValueError, match="2-D"):
+        group_advantages(torch.tensor([1.0, 2.0]))
