@@ -66,6 +66,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from graft.config import load_config
+    from graft.train.trainer import train
+
+    config = load_config(args.config, args.override)
+    result = asyncio.run(train(config, Path(args.run_dir)))
+    print(f"held-out accuracy {result['accuracy_before']:.1%} -> {result['accuracy_after']:.1%} after "
+          f"{result['steps']} steps; metrics {Path(args.run_dir) / 'metrics.jsonl'}, plot {Path(args.run_dir) / 'reward.png'}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from rich.console import Console
 
@@ -150,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train", help="LoRA GRPO training (single process)",
+                       description="Run LoRA GRPO: rollouts from the engine (vLLM by default), group-relative "
+                                   "advantages, PPO-clip update of the adapter, verified sync of every new version "
+                                   "into the engine. Writes RUN_DIR/config.yaml, metrics.jsonl, reward.png.")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (omit for the defaults)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. -o train.steps=10 (repeatable)")
+    p.add_argument("--run-dir", default="runs/train", help="run directory (default runs/train)")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("serve", help="run a graft-configured vLLM server in the foreground",
                        description="Start vLLM (python -m vllm.entrypoints.openai.api_server) with LoRA, runtime "

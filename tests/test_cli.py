@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from graft.cli import build_parser, main
 
-COMMANDS = ["tiny-model", "export", "config", "bench", "serve", "quickstart"]
+COMMANDS = ["tiny-model", "export", "config", "bench", "train", "serve", "quickstart"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,0 +1,50 @@
+"""One rollout batch: n samples per prompt from the engine's current policy, scored by the reward.
+
+Shape suffixes: `_P` prompts, `_G` samples of one prompt (the GRPO group).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
+from graft.sync.inflight import InFlightVersions
+from graft.tasks.examples import Example, render_prompt_ids
+from graft.tasks.rewards import RewardFn
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Samples grouped by prompt: `sequences[p * G + g]` is sample g of prompt p."""
+
+    sequences: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids)
+    engine_logprobs: list[list[float]]  # the engine's log-prob of each completion token
+    rewards_PG: torch.Tensor
+    version: int  # the policy version that generated every sample
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for _, c in self.sequences)
+
+
+async def collect_rollouts(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
+                           examples: list[Example], tokenizer, params: SamplingParams,
+                           reward_fn: RewardFn) -> RolloutBatch:
+    """Sample `params.n` completions per example with policy `version` and score them."""
+    start = time.perf_counter()
+    prompts_P = [render_prompt_ids(tokenizer, ex) for ex in examples]
+    async with inflight.use(version):  # the sync never unloads a version a request still uses
+        completions_P = await engine.generate([GenerateRequest(tuple(p), params) for p in prompts_P], adapter=adapter)
+    sequences, logprobs, rewards_PG = [], [], []
+    for prompt, example, completions in zip(prompts_P, examples, completions_P):
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        rewards_PG.append([reward_fn(text, example) for text in texts])
+        for completion in completions:
+            sequences.append((list(prompt), list(completion.token_ids)))
+            logprobs.append(list(completion.logprobs))
+    return RolloutBatch(sequences, logprobs, torch.tensor(rewards_PG, dtype=torch.float32), version,
+                        time.perf_counter() - start)
