@@ -52,9 +52,12 @@ def collate_sft(
     tokenizer: PreTrainedTokenizerBase, examples: list[Example]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for a batch; pads are ignored."""
-    seqs = [sft_sequence(tokenizer, ex) for ex in examples]
+    return _pad([sft_sequence(tokenizer, ex) for ex in examples], tokenizer.pad_token_id)
+
+
+def _pad(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(ids) for ids, _ in seqs)
-    input_ids_BT = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    input_ids_BT = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     labels_BT = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, (ids, labels) in enumerate(seqs):
@@ -90,6 +93,7 @@ def train_sft(
     arguments give the same losses and weights.
     """
     rng = random.Random(seed)
+    seqs = [sft_sequence(tokenizer, ex) for ex in examples]  # the chat template is slow: render once
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
     warmup = max(1, steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup))
@@ -105,7 +109,7 @@ def train_sft(
             if len(order) < batch:
                 order += rng.sample(range(len(examples)), len(examples))
             idx, order = order[:batch], order[batch:]
-            input_ids_BT, labels_BT, attention_mask_BT = collate_sft(tokenizer, [examples[i] for i in idx])
+            input_ids_BT, labels_BT, attention_mask_BT = _pad([seqs[i] for i in idx], tokenizer.pad_token_id)
             loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -25,3 +25,26 @@ def test_grpo_run_on_the_reference_engine_writes_every_metric(base_dir, tmp_path
     assert row["engine_adapters_loaded"] == (2 if mode == "adapter" else 0)  # keep_versions auto = 2
     assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
     assert (tmp_path / "reward.png").stat().st_size > 0 and (tmp_path / "config.yaml").is_file()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_grpo_run_against_the_real_vllm_server(vllm_server, base_dir, tmp_path, mode):
+    from graft.rollout.vllm_client import VllmClient
+
+    config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", f"sync.mode={mode}",
+                                "train.steps=2", "train.batch_prompts=2", "rollout.n_samples=4",
+                                "rollout.max_new_tokens=6", "lora.rank=8", "rollout.max_lora_rank=8"])
+    try:
+        asyncio.run(train(config, tmp_path, eval_examples=4))
+    finally:
+        async def restore():
+            async with VllmClient(vllm_server.url) as client:
+                await client.reload_weights(str(base_dir))
+                return await client.list_adapters()
+        assert asyncio.run(restore()) == []  # the run unloaded every adapter it loaded
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    for row in rows:
+        assert set(REQUIRED_KEYS) <= row.keys() and row["sync_mode"] == mode
+        assert row["logprob_abs_diff_max"] < 1e-3  # fp32 vLLM vs the fp32 trainer on the sampled tokens
