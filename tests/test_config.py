@@ -1,5 +1,7 @@
 """Tests for graft.config: YAML + dotted overrides → validated GraftConfig, errors as ConfigError."""
 
+from pathlib import Path
+
 import pytest
 
 from graft.config import (
@@ -263,3 +265,11 @@ def test_yaml_keeps_section_order():
     text = config_to_yaml(GraftConfig())
     sections = [line.rstrip(":") for line in text.splitlines() if line and not line.startswith(" ")]
     assert sections == ["model", "lora", "rollout", "sync", "train", "data", "dist"]
+
+
+def test_every_shipped_config_is_valid_and_shows_its_launch_command():
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)
+        assert "graft " in path.read_text().split("\n\n")[0], f"{path.name}: header lacks the launch command"
