@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from graft.models.sft import (
     IGNORE_INDEX,
+    LOSS_WINDOW,
     collate_sft,
     generate_completions,
     greedy_accuracy,
@@ -18,8 +19,17 @@ from graft.models.tokenizer import train_tokenizer
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
 
-SMALL = {"hidden": 64, "layers": 2, "steps": 30, "batch": 16, "lr": 3e-3, "seed": 0,
-         "task_kwargs": {"max_operand": 20, "n_train": 200, "n_eval": 20}, "progress": False}
+SMALL = {
+    "hidden": 64,
+    "layers": 2,
+    "steps": 30,
+    "batch": 16,
+    "lr": 3e-3,
+    "seed": 0,
+    "task_kwargs": {"max_operand": 20, "n_train": 200, "n_eval": 20},
+    "target_loss": None,
+    "progress": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +68,12 @@ def test_saved_dir_loads_with_auto_classes(sft_dirs):
     assert 0.0 <= greedy_accuracy(model, tok, eval_set[:8]) <= 1.0
 
 
+def test_target_loss_stops_early(tmp_path):
+    out = sft_base_model(tmp_path / "m", **{**SMALL, "target_loss": 100.0})
+    record = json.loads((out / "sft.json").read_text())
+    assert record["steps_run"] == len(record["losses"]) == LOSS_WINDOW
+
+
 def test_refuses_a_non_empty_out_dir(tmp_path):
     (tmp_path / "x").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
@@ -65,8 +81,10 @@ def test_refuses_a_non_empty_out_dir(tmp_path):
 
 
 def test_loss_mask_covers_exactly_the_answer_and_eos(tokenizer):
-    examples = [Example("What is 3 + 4? Answer with the number only.", "7"),
-                Example("What is 10 + 95? Answer with the number only.", "105")]
+    examples = [
+        Example("What is 3 + 4? Answer with the number only.", "7"),
+        Example("What is 10 + 95? Answer with the number only.", "105"),
+    ]
     input_ids_BT, labels_BT, attention_mask_BT = collate_sft(tokenizer, examples)
     for i, ex in enumerate(examples):
         prompt = render_prompt_ids(tokenizer, ex)
@@ -104,8 +122,12 @@ class _ScriptedModel:
 
 
 def test_greedy_accuracy_scores_a_scripted_model(tokenizer):
-    examples = [Example("What is 1 + 2?", "3"), Example("What is 40 + 45?", "85"),
-                Example("What is 100 + 23?", "123"), Example("What is 7 + 7?", "14")]
+    examples = [
+        Example("What is 1 + 2?", "3"),
+        Example("What is 40 + 45?", "85"),
+        Example("What is 100 + 23?", "123"),
+        Example("What is 7 + 7?", "14"),
+    ]
     model = _ScriptedModel(tokenizer, {"1 + 2": "3", "40 + 45": "84", "100 + 23": "123", "7 + 7": "fourteen"})
     assert generate_completions(model, tokenizer, examples) == [["3"], ["84"], ["123"], ["fourteen"]]
     assert greedy_accuracy(model, tokenizer, examples) == 0.5
@@ -116,7 +138,9 @@ def test_batched_greedy_matches_one_prompt_at_a_time(sft_dirs):
     model = AutoModelForCausalLM.from_pretrained(sft_dirs[0], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(sft_dirs[0])
     # Operands of 1 and 2 digits give prompts of different lengths, so the batch is padded.
-    examples = [Example(f"What is {a} + {b}? Answer with the number only.", str(a + b))
-                for a, b in [(3, 4), (12, 9), (7, 15), (20, 20), (0, 1)]]
+    examples = [
+        Example(f"What is {a} + {b}? Answer with the number only.", str(a + b))
+        for a, b in [(3, 4), (12, 9), (7, 15), (20, 20), (0, 1)]
+    ]
     batched = generate_completions(model, tok, examples)
     assert batched == [generate_completions(model, tok, [ex])[0] for ex in examples]
