@@ -53,7 +53,7 @@ class MetricsLog:
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper right")
         fig.tight_layout()
         fig.savefig(self.run_dir / "reward.png", dpi=110)
         plt.close(fig)
