@@ -112,6 +112,12 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     run_quickstart(Path(args.run_dir))
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument("config", nargs="?", default=None, help="YAML config (omit for the defaults)")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"dotted override, e.g. -o {example} (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graft", description="RL post-training of LLMs with a LoRA adapter on a frozen base model.")
@@ -140,9 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="validate a config and print it resolved",
                        description="Load a YAML config with -o overrides, validate it, print the resolved config.")
-    p.add_argument("config", nargs="?", default=None, help="YAML file (omit for the defaults)")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, e.g. -o lora.rank=16 (repeatable)")
+    _add_config_arguments(p, "lora.rank=16")
     p.add_argument("--save", metavar="FILE", help="also write the resolved config to FILE")
     p.set_defaults(func=cmd_config)
 
@@ -167,9 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run LoRA GRPO: rollouts from the engine (vLLM by default), group-relative "
                                    "advantages, PPO-clip update of the adapter, verified sync of every new version "
                                    "into the engine. Writes RUN_DIR/config.yaml, metrics.jsonl, reward.png.")
-    p.add_argument("config", nargs="?", default=None, help="YAML config (omit for the defaults)")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, e.g. -o train.steps=10 (repeatable)")
+    _add_config_arguments(p, "train.steps=10")
     p.add_argument("--run-dir", default="runs/train", help="run directory (default runs/train)")
     p.set_defaults(func=cmd_train)
 

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from graft.atomic import atomic_dir
 from graft.models.tiny import tiny_config
 from graft.models.tokenizer import train_tokenizer
+from graft.rl.packing import pad
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
 from graft.tasks.rewards import exact_numeric
@@ -249,10 +250,9 @@ def generate_completions(
     model.eval()
     out: list[list[str]] = []
     for start in range(0, len(examples), batch):
-        chunk = [render_prompt_ids(tokenizer, ex) for ex in examples[start : start + batch]]
-        width = max(len(ids) for ids in chunk)
-        input_ids_BT = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in chunk])
-        attention_mask_BT = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk])
+        chunk = [(render_prompt_ids(tokenizer, ex), []) for ex in examples[start : start + batch]]
+        input_ids_BT, attention_mask_BT, _ = pad(chunk, "left", tokenizer.pad_token_id)
+        width = input_ids_BT.shape[1]
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         generated_BT = model.generate(
             input_ids=input_ids_BT,

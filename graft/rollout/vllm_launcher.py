@@ -28,8 +28,6 @@ from pathlib import Path
 
 from graft.config import VLLM_LORA_RANKS
 
-# The LoRA ranks vLLM accepts for --max-lora-rank (it rejects others at startup, after ~40 s).
-ALLOWED_LORA_RANKS = VLLM_LORA_RANKS
 DTYPES = ("auto", "bfloat16", "float32")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _POLL_INTERVAL_S = 0.5
@@ -54,7 +52,7 @@ class VllmServerConfig:
         port: TCP port; None picks a free one on `host` at start.
         dtype: "auto", "bfloat16" or "float32".
         enable_lora: Pass `--enable-lora` (adapters loaded at runtime).
-        max_lora_rank: Largest adapter rank the server accepts; one of `ALLOWED_LORA_RANKS`.
+        max_lora_rank: Largest adapter rank the server accepts; one of `VLLM_LORA_RANKS`.
         max_loras: Adapters held at once.
         max_model_len: Prompt + completion tokens per sequence.
         kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
@@ -82,8 +80,8 @@ class VllmServerConfig:
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.max_lora_rank not in ALLOWED_LORA_RANKS:
-            raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {ALLOWED_LORA_RANKS}")
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
 

@@ -38,15 +38,16 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     with torch.no_grad():
         with adapter_disabled(model):
             ref_logprobs_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
-        entropy_BT = token_entropy(logits_BTV.detach())
         engine_BT = torch.zeros_like(logprobs_BT)
         for b, values in enumerate(batch.engine_logprobs):
             engine_BT[b, mask_BT[b]] = torch.tensor(values, dtype=engine_BT.dtype)
         gap = (engine_BT - logprobs_BT.detach()).abs()[mask_BT].max().item() if mask_BT.any() else 0.0
+    # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
+    entropy_BT = token_entropy(logits_BTV if train.entropy_coef else logits_BTV.detach())
     advantages_B = group_advantages(batch.rewards_PG).flatten()
     loss, stats = grpo_loss(logprobs_BT, logprobs_BT.detach(), ref_logprobs_BT, advantages_B, mask_BT,
                             clip_eps=train.clip_eps, kl_coef=train.kl_coef,
-                            entropy_BT=token_entropy(logits_BTV) if train.entropy_coef else entropy_BT,
+                            entropy_BT=entropy_BT,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=None)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(list(lora_parameters(model).values()), train.grad_clip)
