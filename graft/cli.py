@@ -73,9 +73,29 @@ def cmd_train(args: argparse.Namespace) -> None:
     from graft.train.trainer import train
 
     config = load_config(args.config, args.override)
-    result = asyncio.run(train(config, Path(args.run_dir)))
-    print(f"held-out accuracy {result['accuracy_before']:.1%} -> {result['accuracy_after']:.1%} after "
-          f"{result['steps']} steps; metrics {Path(args.run_dir) / 'metrics.jsonl'}, plot {Path(args.run_dir) / 'reward.png'}")
+    result = asyncio.run(train(config, Path(args.run_dir), resume=args.resume))
+    if not result:  # ranks > 0 of a torchrun launch: rank 0 reports
+        return
+    run_dir = Path(args.run_dir)
+    before = "n/a (resumed)" if result["accuracy_before"] is None else f"{result['accuracy_before']:.1%}"
+    print(f"held-out accuracy {before} -> {result['accuracy_after']:.1%} after {result['steps']} steps; "
+          f"metrics {run_dir / 'metrics.jsonl'}, plot {run_dir / 'reward.png'}, TensorBoard {run_dir / 'tensorboard'}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from graft.atomic import atomic_write_text
+    from graft.config import load_config
+    from graft.train.evaluation import run_eval
+
+    config = load_config(args.config, args.override)
+    result = asyncio.run(run_eval(config, Path(args.run_dir), args.adapter))
+    what = f"adapter {args.adapter}" if args.adapter else "base model"
+    print(f"held-out accuracy of {what} on {config.model.path}: {result['accuracy']:.1%} "
+          f"({result['examples']} examples, greedy)")
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -167,13 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("train", help="LoRA GRPO training (single process)",
+    p = sub.add_parser("train", help="LoRA GRPO training (one process, or FSDP2 under torchrun)",
                        description="Run LoRA GRPO: rollouts from the engine (vLLM by default), group-relative "
                                    "advantages, PPO-clip update of the adapter, verified sync of every new version "
-                                   "into the engine. Writes RUN_DIR/config.yaml, metrics.jsonl, reward.png.")
+                                   "into the engine. Writes RUN_DIR/config.yaml, metrics.jsonl, eval.jsonl, "
+                                   "reward.png, tensorboard/ and checkpoints/. Under `torchrun --nproc-per-node N "
+                                   "-m graft.cli train ...` the model is sharded with FSDP2 over N ranks.")
     _add_config_arguments(p, "train.steps=10")
     p.add_argument("--run-dir", default="runs/train", help="run directory (default runs/train)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="held-out accuracy of the base model or of a LoRA adapter",
+                       description="Greedy answers to the config's held-out examples (train.eval_examples of them) "
+                                   "from the config's engine, scored by exact numeric match.")
+    _add_config_arguments(p, "train.eval_examples=100")
+    p.add_argument("--adapter", metavar="DIR", help="PEFT LoRA adapter to evaluate (default: the base model)")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    p.add_argument("--run-dir", default="runs/eval", help="where engine logs go (default runs/eval)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve", help="run a graft-configured vLLM server in the foreground",
                        description="Start vLLM (python -m vllm.entrypoints.openai.api_server) with LoRA, runtime "

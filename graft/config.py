@@ -163,6 +163,23 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and LoRA init.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    normalize_adv_std: bool = Field(
+        True, description="Divide group-centred rewards by the group's std (GRPO); false = Dr. GRPO advantages."
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling with the engine's log-probs, weights capped here; "
+        "null = off. Corrects for stale (max_staleness > 0) or numerically different engine samples."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup over this many steps.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save RUN_DIR/checkpoints/step-N every N steps (and at the end); 0 = only at the end."
+    )
+    keep_checkpoints: int = Field(2, ge=0, description="Newest checkpoints kept on disk; 0 = all.")
+    eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every N steps; 0 = before and after only.")
+    eval_examples: int = Field(200, ge=1, description="Held-out examples used by each evaluation.")
 
 
 class DataConfig(_Section):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-Aggregation = Callable[[Tensor, Tensor], Tensor]
+Aggregation = Callable[[Tensor, Tensor, float | None], Tensor]
 
 
 def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
@@ -30,21 +30,37 @@ def token_entropy(logits_BTV: Tensor) -> Tensor:
     return -(logprobs_BTV.exp() * logprobs_BTV).sum(dim=-1)
 
 
-def _token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def _token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None) -> Tensor:
     """Mean over all valid tokens of the batch: long sequences weigh more."""
-    return torch.where(mask_BT, values_BT, 0.0).sum() / mask_BT.sum().clamp(min=1)
+    count = mask_BT.sum().clamp(min=1) if divisor is None else divisor
+    return torch.where(mask_BT, values_BT, 0.0).sum() / count
 
 
-def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None) -> Tensor:
     """Mean over the valid tokens of each sequence, then over the sequences (all B rows)."""
     per_seq_B = torch.where(mask_BT, values_BT, 0.0).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
-    return per_seq_B.mean()
+    return per_seq_B.sum() / (per_seq_B.numel() if divisor is None else divisor)
 
 
-# Loss aggregations by name: (values_BT, mask_BT) -> scalar.
+def _count_tokens(lengths: list[int]) -> float:
+    return float(max(1, sum(lengths)))
+
+
+def _count_sequences(lengths: list[int]) -> float:
+    return float(max(1, len(lengths)))
+
+
+# Loss aggregations by name: (values_BT, mask_BT, divisor) -> scalar. ``divisor`` None divides by what
+# this batch holds; a split batch (ranks, micro-batches) passes the whole batch's divisor
+# (``AGGREGATION_DIVISORS[name](completion_lengths)``), so the parts' losses and gradients add up to
+# exactly those of the whole.
 AGGREGATIONS: dict[str, Aggregation] = {
     "token-mean": _token_mean,
     "seq-mean-token-mean": _seq_mean_token_mean,
+}
+AGGREGATION_DIVISORS: dict[str, Callable[[list[int]], float]] = {
+    "token-mean": _count_tokens,
+    "seq-mean-token-mean": _count_sequences,
 }
 
 
@@ -111,7 +127,7 @@ def ppo_clip_loss(
             "clip_fraction": _token_mean(clipped_BT.float(), mask_BT).item(),
             "ratio_mean": _token_mean(ratio_BT, mask_BT).item(),
         }
-    return aggregate(loss_BT, mask_BT), stats
+    return aggregate(loss_BT, mask_BT, None), stats
 
 
 def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
@@ -153,12 +169,15 @@ def grpo_loss(
     entropy_coef: float,
     agg: str,
     tis_weights_BT: Tensor | None,
+    divisor: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss: ``agg_t[w_t * ppo_t + kl_coef * k3_t - entropy_coef * H_t]``.
 
     ``ppo_t`` is the per-token PPO-clip loss (see ``ppo_clip_loss``), ``w_t`` the truncated
     importance weight (1 when ``tis_weights_BT`` is None), ``k3_t = kl_k3(logprobs, ref)`` and
     ``H_t`` the token entropy. A term with coefficient 0 and no tensor is left out entirely.
+    ``divisor``: the aggregation's divisor for the whole batch when this is part of it (see
+    ``AGGREGATIONS``); None = this batch is the whole.
 
     Returns:
         ``(loss, stats)``; stats are float token-means over the mask: ``pg_loss``, ``kl``,
@@ -192,4 +211,4 @@ def grpo_loss(
             "clip_fraction": _token_mean(clipped_BT.float(), mask_BT).item(),
             "ratio_mean": _token_mean(ratio_BT, mask_BT).item(),
         }
-    return aggregate(loss_BT, mask_BT), stats
+    return aggregate(loss_BT, mask_BT, divisor), stats

@@ -41,6 +41,12 @@ class VllmStartupError(RuntimeError):
     """The server exited or did not answer /health in time; the message ends with its log tail."""
 
 
+def _has_cuda() -> bool:
+    import torch  # here, not at module level: the launcher is imported by light CLI paths
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class VllmServerConfig:
     """How to launch one vLLM server.
@@ -157,6 +163,10 @@ class VllmServer:
                 "--port", str(self.port), "--dtype", c.dtype, "--max-model-len", str(c.max_model_len)]
         if c.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
+        if not _has_cuda():
+            # vLLM-CPU kills its engine when a seeded request's prefill is split across steps
+            # ("CPU Generator does not use offset", in _bookkeeping_sync): never split a prefill.
+            args += ["--no-enable-chunked-prefill"]
         return args + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -87,7 +87,8 @@ class AdapterSync:
             raise ValueError(f"need 0 <= keep_versions <= max_loras and max_loras >= 1 "
                              f"(got keep_versions={keep_versions}, max_loras={max_loras})")
         self._engine = engine
-        self._publisher = publisher
+        self.publisher = publisher
+        self.kind = KIND
         self._lora_name = lora_name
         self._keep = keep_versions
         self._max_loras = max_loras
@@ -130,7 +131,7 @@ class AdapterSync:
                 raise ValueError(f"version {version} is not above the last synced version {self._last_version}")
             start = time.perf_counter()
             tensors, config = adapter_state_dict(model), adapter_config_dict(model)
-            published = await asyncio.to_thread(self._publisher.publish, KIND, version, step,
+            published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
                                                 lambda tmp: write_adapter_files(tensors, config, tmp),
                                                 protect=set(self._loaded))
             self._last_version = version
@@ -147,7 +148,7 @@ class AdapterSync:
                 await self._retire(self._loaded[:-self._keep], tried)
             applied_at = time.perf_counter()
 
-            await asyncio.to_thread(self._publisher.garbage_collect, KIND, protect=set(self._loaded))
+            await asyncio.to_thread(self.publisher.garbage_collect, KIND, protect=set(self._loaded))
             on_engine = await self.engine_adapters()
             failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,

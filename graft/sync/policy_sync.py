@@ -84,6 +84,10 @@ class PolicySync:
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
                 "logprob_abs_diff_max": gap, "policy_version": result.version}
 
+    def discard_from(self, version: int) -> None:
+        """Forget published versions >= `version` on disk, before (re)publishing from `version`."""
+        self._sync.publisher.discard_from(self._sync.kind, version)
+
     async def close(self) -> None:
         """Unload what graft loaded (adapter mode), so a shared engine is left clean."""
         if isinstance(self._sync, AdapterSync):

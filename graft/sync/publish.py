@@ -181,17 +181,28 @@ class WeightPublisher:
             if v in removed or (v < newest and v not in complete_set):
                 (stale_ready if entry.name.endswith(READY_SUFFIX) else stale_dirs).append(Path(entry.path))
 
-        # Manifests first, made durable, then the files: a reader never sees a manifest without them.
-        for path in stale_ready:
+        self._remove(stale_ready, stale_dirs)
+        return removed
+
+    def discard_from(self, kind: str, version: int) -> list[int]:
+        """Remove every complete version of `kind` >= `version` (a resumed run publishes from there
+        again; what an interrupted run published after its checkpoint is not the resumed policy)."""
+        doomed = [pv.version for pv in self.versions(kind) if pv.version >= version]
+        names = [version_dir_name(kind, v) for v in doomed]
+        self._remove([self.root / (n + READY_SUFFIX) for n in names], [self.root / n for n in names])
+        return doomed
+
+    def _remove(self, manifests: list[Path], dirs: list[Path]) -> None:
+        """Manifests first, made durable, then the files: a reader never sees a manifest without them."""
+        for path in manifests:
             path.unlink(missing_ok=True)
-        if stale_ready:
+        if manifests:
             fsync_dir(self.root)
-        for path in stale_dirs:
+        for path in dirs:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-        return removed
 
 
 def read_version(root: str | Path, kind: str, version: int, *, verify_hashes: bool = True) -> PublishedVersion:

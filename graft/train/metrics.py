@@ -1,14 +1,20 @@
-"""RUN_DIR/metrics.jsonl (one JSON object per optimizer step) and RUN_DIR/reward.png."""
+"""The run's metrics: RUN_DIR/metrics.jsonl (one JSON object per optimizer step), RUN_DIR/eval.jsonl
+(held-out accuracy), TensorBoard event files in RUN_DIR/tensorboard, and RUN_DIR/reward.png
+redrawn after every step.
+"""
 
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from graft.atomic import atomic_write_text  # noqa: E402
 
 # The run-directory contract (ARCHITECTURE.md): every row has at least these keys.
 REQUIRED_KEYS = (
@@ -18,14 +24,30 @@ REQUIRED_KEYS = (
 )
 
 
-class MetricsLog:
-    """Appends rows to metrics.jsonl as they come, and redraws the reward curve."""
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def __init__(self, run_dir: str | Path) -> None:
+
+class MetricsLog:
+    """Appends rows as they come; keeps the files of a resumed run consistent with its checkpoint.
+
+    Args:
+        run_dir: The run directory.
+        keep_through_step: Rows of steps after this one are dropped from the files (0 = a fresh
+            run, nothing kept): an interrupted run may have logged steps its checkpoint lacks.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_through_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.rows: list[dict] = []
-        self.evals: list[tuple[int, float]] = []  # (step, held-out accuracy)
+        self.eval_path = self.run_dir / "eval.jsonl"
+        self.rows = [r for r in read_jsonl(self.path) if r["step"] <= keep_through_step]
+        self.evals = [(e["step"], e["accuracy"]) for e in read_jsonl(self.eval_path) if e["step"] <= keep_through_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        atomic_write_text(self.eval_path, "".join(json.dumps({"step": s, "accuracy": a}) + "\n" for s, a in self.evals))
+        self._tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", purge_step=keep_through_step + 1)
 
     def write(self, row: dict) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in row]
@@ -33,11 +55,27 @@ class MetricsLog:
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+                self._tensorboard.add_scalar(f"train/{key}", value, row["step"])
+        self._tensorboard.flush()
         self.plot()
 
     def add_eval(self, step: int, accuracy: float) -> None:
         self.evals.append((step, accuracy))
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps({"step": step, "accuracy": accuracy}) + "\n")
+        self._tensorboard.add_scalar("eval/accuracy", accuracy, step)
+        self._tensorboard.flush()
         self.plot()
+
+    def accuracy_at(self, step: int) -> float | None:
+        """The last held-out accuracy recorded at `step`, if any."""
+        found = [a for s, a in self.evals if s == step]
+        return found[-1] if found else None
+
+    def close(self) -> None:
+        self._tensorboard.close()
 
     def plot(self) -> None:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -57,3 +95,10 @@ class MetricsLog:
         fig.tight_layout()
         fig.savefig(self.run_dir / "reward.png", dpi=110)
         plt.close(fig)
+
+
+def _tensorboard_writer(log_dir: Path, purge_step: int):
+    """TensorBoard's own writer; `purge_step` hides events a resumed run logs again."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)

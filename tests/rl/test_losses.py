@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graft.rl.losses import (
+    AGGREGATION_DIVISORS,
     AGGREGATIONS,
     grpo_loss,
     kl_k3,
@@ -97,8 +98,8 @@ def test_clipping_only_beyond_eps_in_the_direction_of_the_advantage():
 def test_aggregations_match_hand_computed_values_and_differ_on_uneven_lengths():
     values_BT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, -99.0]])
     mask_BT = torch.tensor([[True, True, True], [True, False, False]])
-    assert AGGREGATIONS["token-mean"](values_BT, mask_BT).item() == pytest.approx(10 / 4)
-    assert AGGREGATIONS["seq-mean-token-mean"](values_BT, mask_BT).item() == pytest.approx((2 + 4) / 2)
+    assert AGGREGATIONS["token-mean"](values_BT, mask_BT, None).item() == pytest.approx(10 / 4)
+    assert AGGREGATIONS["seq-mean-token-mean"](values_BT, mask_BT, None).item() == pytest.approx((2 + 4) / 2)
     # Through the loss at ratio 1: every token of row b is -A_b.
     adv_B = torch.tensor([1.0, -3.0])
     zeros_BT = torch.zeros(2, 3)
@@ -210,3 +211,17 @@ def test_grpo_stats():
     assert stats["ratio_mean"] == pytest.approx((logprobs_BT - old_BT).exp()[mask_BT].mean().item())
     _, bare = _grpo(logprobs_BT, old_BT, None, None, adv_B, mask_BT, "token-mean", kl_coef=0.0, ent=0.0)
     assert bare["kl"] == 0.0 and bare["entropy"] == 0.0
+
+
+@pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
+def test_aggregation_of_split_batch_adds_up_to_the_whole(agg):
+    """Ranks and micro-batches each see part of the batch; with the whole batch's divisor, the parts'
+    losses sum to the whole batch's loss (so do their gradients)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 5, 2, 4]
+    mask_BT = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
+    values_BT = torch.randn(5, 5, generator=gen)
+    whole = AGGREGATIONS[agg](values_BT, mask_BT, None)
+    divisor = AGGREGATION_DIVISORS[agg](lengths)
+    parts = sum(AGGREGATIONS[agg](values_BT[rows], mask_BT[rows], divisor) for rows in ([0, 1], [2], [3, 4]))
+    torch.testing.assert_close(parts, whole)

@@ -12,8 +12,9 @@ from graft.train.trainer import train
 def test_grpo_run_on_the_reference_engine_writes_every_metric(base_dir, tmp_path, mode):
     config = load_config(None, [f"model.path={base_dir}", "rollout.engine=reference", f"sync.mode={mode}",
                                 "train.steps=2", "train.batch_prompts=2", "rollout.n_samples=3",
-                                "rollout.max_new_tokens=4", "train.kl_coef=0.01", "lora.rank=4"])
-    result = asyncio.run(train(config, tmp_path, eval_examples=4))
+                                "rollout.max_new_tokens=4", "train.kl_coef=0.01", "lora.rank=4",
+                                "train.eval_examples=4"])
+    result = asyncio.run(train(config, tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
     for row in rows:
@@ -34,9 +35,10 @@ def test_grpo_run_against_the_real_vllm_server(vllm_server, base_dir, tmp_path, 
 
     config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", f"sync.mode={mode}",
                                 "train.steps=2", "train.batch_prompts=2", "rollout.n_samples=4",
-                                "rollout.max_new_tokens=6", "lora.rank=8", "rollout.max_lora_rank=8"])
+                                "rollout.max_new_tokens=6", "lora.rank=8", "rollout.max_lora_rank=8",
+                                "train.eval_examples=4"])
     try:
-        asyncio.run(train(config, tmp_path, eval_examples=4))
+        asyncio.run(train(config, tmp_path))
     finally:
         async def restore():
             async with VllmClient(vllm_server.url) as client:

@@ -1,0 +1,154 @@
+"""Distributed plumbing for the trainer: process group, FSDP2 sharding, batch broadcast, LoRA gather.
+
+`torchrun --nproc-per-node N graft train CONFIG` starts N ranks. Rank 0 alone talks to the engines
+(rollouts, sync, verification) and writes the run directory; every rank holds a shard of the model
+and a slice of each batch. Nothing here knows about losses or LoRA math; the trainer calls these
+collectives in the same order on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a
+no-op on one process. Batches travel as tensors, never pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graft.train.rollout import RolloutBatch
+
+# Rank 0 may wait for a slow rollout or sync while the others block in a collective.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the run: `rank` of `world_size`."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that talks to engines and writes files."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def rows(self, n: int) -> range:
+        """This rank's contiguous share of `n` batch rows (empty when n < world_size for high ranks)."""
+        per, extra = divmod(n, self.world_size)
+        start = self.rank * per + min(self.rank, extra)
+        return range(start, start + per + (1 if self.rank < extra else 0))
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise max over ranks."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: list[float], op) -> list[float]:
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+def init_distributed(backend: str = "auto") -> Dist:
+    """Join the torchrun process group if there is one (gloo on CPU, NCCL on GPU for `auto`).
+
+    Raises:
+        ValueError: `nccl` asked for without CUDA.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist()
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("dist.backend 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
+    return Dist(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def shutdown_distributed(ctx: Dist) -> None:
+    if ctx.active and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
+    """FSDP2: each decoder layer is one unit, the rest the root. Gradients are summed over ranks, not
+    averaged: the loss of each rank's slice is already divided by the whole batch's divisor."""
+    if not ctx.active:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (ctx.world_size,))
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # not recursive: every unit
+    return model
+
+
+def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
+    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards)."""
+    if not ctx.active:
+        assert batch is not None
+        return batch
+    if ctx.is_main:
+        assert batch is not None
+        lengths = [n for prompt, completion in batch.sequences for n in (len(prompt), len(completion))]
+        header = torch.tensor([len(batch.sequences), *batch.rewards_PG.shape, batch.version, sum(lengths)],
+                              dtype=torch.long)
+    else:
+        header = torch.zeros(5, dtype=torch.long)
+    dist.broadcast(header, src=0)
+    n_seq, n_prompts, group, version, n_tokens = header.tolist()
+    if ctx.is_main:
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
+        ids_t = torch.tensor([t for p, c in batch.sequences for t in (*p, *c)], dtype=torch.long)
+        logprobs_t = torch.tensor([x for lp in batch.engine_logprobs for x in lp], dtype=torch.float64)
+        rewards_t = batch.rewards_PG.to(torch.float32).contiguous()
+    else:
+        lengths_t = torch.zeros(2 * n_seq, dtype=torch.long)
+        ids_t = torch.zeros(n_tokens, dtype=torch.long)
+        rewards_t = torch.zeros(n_prompts, group, dtype=torch.float32)
+    for t in (lengths_t, ids_t, rewards_t):
+        dist.broadcast(t, src=0)
+    n_completion = int(lengths_t[1::2].sum())
+    if not ctx.is_main:
+        logprobs_t = torch.zeros(n_completion, dtype=torch.float64)
+    dist.broadcast(logprobs_t, src=0)
+    if ctx.is_main:
+        return batch
+    sequences, logprobs, at, at_lp = [], [], 0, 0
+    for p_len, c_len in lengths_t.view(-1, 2).tolist():
+        sequences.append((ids_t[at:at + p_len].tolist(), ids_t[at + p_len:at + p_len + c_len].tolist()))
+        logprobs.append(logprobs_t[at_lp:at_lp + c_len].tolist())
+        at, at_lp = at + p_len + c_len, at_lp + c_len
+    return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a possibly FSDP2-sharded (DTensor) one; a collective on DTensors."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -1,0 +1,55 @@
+"""Held-out accuracy: greedy answers from an engine, scored by exact numeric match.
+
+Used by the trainer (before, during and after a run) and by `graft eval CONFIG [--adapter DIR]`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from graft.config import GraftConfig
+from graft.lora.adapter_io import read_adapter_config
+from graft.models.loading import load_tokenizer
+from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.factory import open_engine
+from graft.tasks.examples import Example, load_task_data, render_prompt_ids
+from graft.tasks.rewards import exact_numeric
+
+EVAL_ADAPTER_SUFFIX = "eval"
+
+
+async def evaluate(engine: RolloutEngine, adapter: str | None, examples: list[Example], tokenizer,
+                   max_new_tokens: int) -> float:
+    """Fraction of `examples` whose greedy completion (served as `adapter`) holds the right number."""
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+    requests = [GenerateRequest(tuple(render_prompt_ids(tokenizer, ex)), params) for ex in examples]
+    completions_P = await engine.generate(requests, adapter=adapter)
+    texts = [tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions_P]
+    return sum(exact_numeric(t, ex) for t, ex in zip(texts, examples)) / len(examples)
+
+
+async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | Path | None = None) -> dict:
+    """`graft eval`: held-out accuracy of the base model, or of base + the PEFT adapter at `adapter_dir`.
+
+    Raises:
+        AdapterError: `adapter_dir` is not a readable PEFT LoRA adapter.
+    """
+    if adapter_dir is not None:
+        read_adapter_config(adapter_dir)  # a clear error before any server starts
+    _, eval_set = load_task_data(config.data)
+    examples = eval_set[: config.train.eval_examples]
+    tokenizer = load_tokenizer(config.model.path)
+    start = time.perf_counter()
+    async with open_engine(config, run_dir) as engine:
+        adapter = None
+        if adapter_dir is not None:
+            adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"
+            await engine.load_adapter(adapter, str(Path(adapter_dir).resolve()))
+        try:
+            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens)
+        finally:
+            if adapter is not None:
+                await engine.unload_adapter(adapter)
+    return {"accuracy": accuracy, "examples": len(examples), "adapter": str(adapter_dir) if adapter_dir else None,
+            "model": config.model.path, "seconds": time.perf_counter() - start}
