@@ -170,6 +170,11 @@ class TrainConfig(_Section):
         None, gt=0, description="Truncated importance sampling with the engine's log-probs, weights capped here; "
         "null = off. Corrects for stale (max_staleness > 0) or numerically different engine samples."
     )
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch: the batch is split into this many mini-batches "
+        "of whole prompt groups (PPO-style; the clip keeps later steps near the sampling policy)."
+    )
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch (each pass takes mini_batches steps).")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

@@ -148,6 +148,7 @@ class _Run:
         log = MetricsLog(self.run_dir, keep_through_step=self.step)
         sync = PolicySync(config, engine, self.run_dir)
         first_step = self.step + 1
+        sync.discard_from(self.version)  # what an earlier (interrupted) run published from here on
         await sync(self.publish_model, self.version, step=self.step)
         if first_step == 1:
             log.add_eval(0, await self._evaluate(engine, sync))

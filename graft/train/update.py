@@ -1,8 +1,11 @@
-"""One GRPO policy update of the LoRA adapter from a rollout batch (one optimizer step).
+"""The GRPO policy update of the LoRA adapter from one rollout batch.
 
-The batch may be split over ranks (FSDP2) and micro-batches: every part's loss is divided by the
-whole batch's divisor (`AGGREGATION_DIVISORS`), so gradients summed over parts and ranks equal the
-gradient of the whole batch on one process, and reported metrics are whole-batch values.
+`train.epochs` passes over the batch, each split into `train.mini_batches` mini-batches of whole
+prompt groups, one optimizer step per mini-batch (PPO-style: the ratio to the policy that started
+the update is clipped). A mini-batch may be split further over ranks (FSDP2) and micro-batches:
+every part's loss is divided by the whole mini-batch's divisor (`AGGREGATION_DIVISORS`), so
+gradients summed over parts and ranks equal those of the whole mini-batch on one process, and the
+reported metrics are whole-batch values.
 
 Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_P`/`_G` prompts/group.
 """
@@ -31,68 +34,115 @@ def _completion_logprobs(model: nn.Module, input_ids_BT, attention_mask_BT) -> t
     return token_logprobs(logits_BTV, next_token_targets(input_ids_BT)), logits_BTV
 
 
-def _micro_batches(rows: list[int], size: int | None) -> list[list[int]]:
-    size = size or len(rows)
+def _chunks(rows: list[int], size: int | None) -> list[list[int]]:
+    size = size or len(rows) or 1
     return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[int]]:
+    """Rows of each mini-batch: consecutive whole prompt groups, as even as possible."""
+    per, extra = divmod(n_prompts, mini_batches)
+    out, first = [], 0
+    for m in range(mini_batches):
+        n = per + (1 if m < extra else 0)
+        out.append(list(range(first * group, (first + n) * group)))
+        first += n
+    return [rows for rows in out if rows]
+
+
+class _Rows:
+    """Per-row tensors of the completion tokens, computed once before the first optimizer step:
+    the reference log-probs (adapter disabled), the engine's, and the old policy's when it matters."""
+
+    def __init__(self, model: nn.Module, batch: RolloutBatch, rows: list[int], train: TrainConfig, pad_id: int,
+                 old_needed: bool) -> None:
+        self.ref, self.engine, self.old = {}, {}, {}
+        self.gap = 0.0
+        with torch.no_grad():
+            for part in _chunks(rows, train.micro_batch_size):
+                input_ids_BT, attention_mask_BT, mask_BT = pad([batch.sequences[r] for r in part], "right", pad_id)
+                with adapter_disabled(model):
+                    ref_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                policy_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                for b, r in enumerate(part):
+                    self.ref[r] = ref_BT[b, mask_BT[b]]
+                    self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=policy_BT.dtype)
+                    if old_needed:
+                        self.old[r] = policy_BT[b, mask_BT[b]]
+                    if len(self.engine[r]):
+                        self.gap = max(self.gap, (self.engine[r] - policy_BT[b, mask_BT[b]]).abs().max().item())
+
+    def padded(self, which: dict, rows: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
+        out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32)
+        for b, r in enumerate(rows):
+            out_BT[b, mask_BT[b]] = which[r]
+        return out_BT
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, train: TrainConfig,
                   pad_id: int, ctx: Dist = Dist()) -> dict:
-    """Loss over this rank's rows, backward, clipped optimizer step. Returns the step's train metrics.
+    """`epochs x mini_batches` clipped optimizer steps on this rank's rows. Returns the train metrics.
 
-    One optimizer step per rollout batch, so the "old" policy is the current one (ratio 1 at the
-    start). With `train.tis_cap` the loss is weighted by truncated importance weights
-    `min(exp(trainer - engine), cap)`: the correction for samples from a stale version or an engine
+    The "old" policy is the one before the update: with a single step the ratio is 1 throughout.
+    With `train.tis_cap` the loss is weighted by truncated importance weights
+    `min(exp(old - engine), cap)`: the correction for samples from a stale version or an engine
     whose numerics differ. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     """
     start = time.perf_counter()
     model.train()
-    lengths = [len(completion) for _, completion in batch.sequences]
-    divisor = AGGREGATION_DIVISORS[train.loss_agg](lengths)
+    n_prompts, group = batch.rewards_PG.shape
     advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std).flatten()
-    rows, weight = list(ctx.rows(len(batch.sequences))), 1.0
-    if not rows:  # fewer sequences than ranks: FSDP2 still needs this rank in forward and backward
-        rows, weight = [0], 0.0
-    loss_sum, gap, tokens, sums = 0.0, 0.0, 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
-    for part in _micro_batches(rows, train.micro_batch_size):
-        loss, stats, part_gap = _part_loss(model, batch, part, advantages, train, pad_id, divisor)
-        (loss * weight).backward()
-        part_tokens = weight * sum(lengths[r] for r in part)
-        loss_sum += weight * loss.item()
-        gap = max(gap, part_gap)
-        tokens += part_tokens
-        for key in _TOKEN_STATS:
-            sums[key] += stats[key] * part_tokens
+    lengths = [len(completion) for _, completion in batch.sequences]
+    minis = _mini_batches(n_prompts, group, train.mini_batches)
+    mine = [[mini[i] for i in ctx.rows(len(mini))] for mini in minis]
+    single_step = train.epochs * len(minis) == 1
+    cache = _Rows(model, batch, [r for rows in mine for r in rows], train, pad_id, old_needed=not single_step)
     params = list(lora_parameters(model).values())
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    losses, grad_norms, tokens, sums = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
+    for _ in range(train.epochs):
+        for mini, rows in zip(minis, mine):
+            divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
+            weight = 1.0
+            if not rows:  # fewer sequences than ranks: FSDP2 still needs this rank in forward and backward
+                rows, weight = [mini[0]], 0.0
+            loss_sum = 0.0
+            for part in _chunks(rows, train.micro_batch_size):
+                loss, stats = _part_loss(model, batch, part, advantages, train, pad_id, divisor, cache, single_step)
+                (loss * weight).backward()
+                part_tokens = weight * sum(lengths[r] for r in part)
+                loss_sum += weight * loss.item()
+                tokens += part_tokens
+                for key in _TOKEN_STATS:
+                    sums[key] += stats[key] * part_tokens
+            grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss_sum)
     model.eval()
-    loss_sum, tokens, *stat_sums = ctx.sum([loss_sum, tokens, *sums.values()])
-    (gap,) = ctx.max([gap])
-    return {"loss": loss_sum, **{k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)},
-            "grad_norm": grad_norm, "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
+    totals = ctx.sum([*losses, tokens, *sums.values()])
+    losses, tokens, stat_sums = totals[:len(losses)], totals[len(losses)], totals[len(losses) + 1:]
+    (gap,) = ctx.max([cache.gap])
+    return {"loss": sum(losses) / len(losses), **{k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)},
+            "grad_norm": sum(grad_norms) / len(grad_norms), "optimizer_steps": len(losses),
+            "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
 
 
 def _part_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantages: torch.Tensor, train: TrainConfig,
-               pad_id: int, divisor: float) -> tuple[torch.Tensor, dict, float]:
-    """Loss of `rows` of the batch (divided by the whole batch's `divisor`), stats, engine gap."""
+               pad_id: int, divisor: float, cache: _Rows, single_step: bool) -> tuple[torch.Tensor, dict]:
+    """Loss of `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     input_ids_BT, attention_mask_BT, mask_BT = pad([batch.sequences[r] for r in rows], "right", pad_id)
     logprobs_BT, logits_BTV = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
-    with torch.no_grad():
-        with adapter_disabled(model):  # the reference policy: reported always, penalised with kl_coef
-            ref_logprobs_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
-        engine_BT = torch.zeros_like(logprobs_BT)
-        for b, r in enumerate(rows):
-            engine_BT[b, mask_BT[b]] = torch.tensor(batch.engine_logprobs[r], dtype=engine_BT.dtype)
-        gap = (engine_BT - logprobs_BT).abs()[mask_BT].max().item() if mask_BT.any() else 0.0
-        tis_BT = truncated_importance_weights(logprobs_BT, engine_BT, train.tis_cap) if train.tis_cap else None
+    old_BT = logprobs_BT.detach() if single_step else cache.padded(cache.old, rows, mask_BT)
+    ref_BT = cache.padded(cache.ref, rows, mask_BT)
+    tis_BT = None
+    if train.tis_cap:
+        tis_BT = truncated_importance_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
     entropy_BT = token_entropy(logits_BTV if train.entropy_coef else logits_BTV.detach())
-    loss, stats = grpo_loss(logprobs_BT, logprobs_BT.detach(), ref_logprobs_BT, advantages[rows], mask_BT,
+    loss, stats = grpo_loss(logprobs_BT, old_BT, ref_BT, advantages[rows], mask_BT,
                             clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BT,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BT,
                             divisor=divisor)
     stats["tis_weight_mean"] = tis_BT[mask_BT].mean().item() if tis_BT is not None and mask_BT.any() else 1.0
-    return loss, stats, gap
+    return loss, stats

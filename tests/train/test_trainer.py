@@ -50,3 +50,66 @@ def test_grpo_run_against_the_real_vllm_server(vllm_server, base_dir, tmp_path, 
     for row in rows:
         assert set(REQUIRED_KEYS) <= row.keys() and row["sync_mode"] == mode
         assert row["logprob_abs_diff_max"] < 1e-3  # fp32 vLLM vs the fp32 trainer on the sampled tokens
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+_COMPARED = ("reward_mean", "reward_std", "loss", "kl", "entropy", "grad_norm", "logprob_abs_diff_max",
+             "rollout_tokens", "policy_version")
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+    """A reward a random tiny model earns about half the time, so GRPO has a signal to follow."""
+    from graft.tasks.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "parity", lambda text, example: float(len(text) % 2 == 0))
+    return "data.reward=parity"
+
+
+def test_resume_after_step_k_repeats_the_uninterrupted_run(base_dir, tmp_path, parity_reward):
+    """Stopped after step 2 and resumed, steps 3..5 give the metrics of the uninterrupted run (fp32,
+    one rank, the deterministic reference engine)."""
+    overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", "train.batch_prompts=2",
+                 parity_reward,
+                 "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.kl_coef=0.01", "train.lr=5e-3",
+                 "lora.rank=4", "train.eval_examples=2", "train.checkpoint_every=1", "train.warmup_steps=3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    asyncio.run(train(load_config(None, [*overrides, "train.steps=5"]), whole))
+    asyncio.run(train(load_config(None, [*overrides, "train.steps=2"]), parts))
+    result = asyncio.run(train(load_config(None, [*overrides, "train.steps=5"]), parts, resume=True))
+    assert result["resumed_from"] == 2 and result["accuracy_before"] is not None  # kept from the first part
+    expected, got = _rows(whole), _rows(parts)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    for want, have in zip(expected[2:], got[2:]):
+        for key in _COMPARED:
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (have["step"], key)
+    assert len({r["grad_norm"] for r in expected[2:]}) == 3 and all(r["grad_norm"] > 0 for r in expected[2:])
+
+
+def test_fresh_run_refuses_a_run_dir_with_checkpoints_and_resume_needs_one(base_dir, tmp_path):
+    from graft.train.trainer import ResumeError
+
+    overrides = [f"model.path={base_dir}", "rollout.engine=reference", "train.steps=1", "train.batch_prompts=1",
+                 "rollout.n_samples=2", "rollout.max_new_tokens=2", "train.eval_examples=1", "lora.rank=4"]
+    with pytest.raises(ResumeError, match="no checkpoint"):
+        asyncio.run(train(load_config(None, overrides), tmp_path, resume=True))
+    asyncio.run(train(load_config(None, overrides), tmp_path))
+    with pytest.raises(ResumeError, match="--resume"):
+        asyncio.run(train(load_config(None, overrides), tmp_path))
+
+
+def test_tensorboard_events_hold_the_metrics(base_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = [f"model.path={base_dir}", "rollout.engine=reference", "train.steps=2", "train.batch_prompts=1",
+                 "rollout.n_samples=2", "rollout.max_new_tokens=2", "train.eval_examples=1", "lora.rank=4"]
+    asyncio.run(train(load_config(None, overrides), tmp_path))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    rows = _rows(tmp_path)
+    assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6, abs=1e-9)) for r in rows]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]
