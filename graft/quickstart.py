@@ -1,179 +1,132 @@
-"""`graft quickstart`: the README's main job, run end to end on this machine.
+"""`graft quickstart`: the README's main job — LoRA GRPO on a real vLLM server, end to end.
 
-What it does today (the GRPO loop is not built yet and this says so): build a tiny base model,
-train a LoRA adapter on it by short supervised learning on an arithmetic task, save the adapter in
-PEFT format and check it with the PEFT library, export the merged model and check it with
-transformers, then start a real vLLM server and sync the policy into it as an adapter
-(`<lora.name>-v1`) and as merged weights, verifying each delivery against the trainer's log-probs.
-Every number printed is measured in this run.
+1. A small base model that knows a little arithmetic: a tiny Qwen2 fine-tuned briefly on the
+   built-in task (`graft.models.sft`), built once and cached by its arguments.
+2. A vLLM server launched by graft, serving that base with runtime LoRA loading.
+3. `graft train` with `configs/quickstart.yaml`'s settings: every step publishes the adapter as
+   `graft-v<N>`, loads it, verifies it, and unloads versions outside the retention window.
+4. Held-out greedy accuracy before and after, the reward plot, and RUN_DIR/quickstart.json.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-import random
-import shutil
+import os
 import time
 from pathlib import Path
 
-import matplotlib
+from rich.console import Console
+from rich.table import Table
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import peft  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from graft.atomic import atomic_write_text
+from graft.config import GraftConfig, load_config
+from graft.models.sft import sft_base_model
+from graft.train.metrics import read_jsonl
+from graft.train.trainer import train
 
-from graft.config import load_config, save_config  # noqa: E402
-from graft.lora.adapter_io import is_peft_adapter, save_adapter  # noqa: E402
-from graft.lora.attach import (  # noqa: E402
-    adapter_disabled,
-    attach_lora,
-    count_parameters,
-    lora_parameters,
-)
-from graft.lora.export import export_merged  # noqa: E402
-from graft.models.loading import load_model, load_tokenizer  # noqa: E402
-from graft.models.tiny import build_tiny_model  # noqa: E402
-from graft.rollout.factory import open_engine  # noqa: E402
-from graft.sync.policy_sync import PolicySync  # noqa: E402
+# The supervised warm-up of the base model (see graft.models.sft for why it stops at a loss).
+SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "target_loss": 0.5}
 
-TRAIN_STEPS = 100
-BATCH = 16
+# configs/quickstart.yaml holds the same settings (a test keeps them equal); model.path is the base.
+QUICKSTART_SETTINGS = [
+    "model.dtype=float32",
+    "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
+    "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
+    "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=0",
+    "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
+    "train.steps=150", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
+    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=50",
+    "data.task=arithmetic", "data.reward=exact_numeric",
+]
 
 
-def _arithmetic_batch(rng: random.Random, tokenizer, n: int) -> torch.Tensor:
-    """`n` right-padded lines like "What is 12 + 34? 46" as token ids."""
-    lines = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        lines.append(f"What is {a} + {b}? {a + b}<|im_end|>")
-    ids = [tokenizer.encode(line) for line in lines]
-    width = max(len(x) for x in ids)
-    batch = torch.full((n, width), -100)
-    for row, x in enumerate(ids):
-        batch[row, : len(x)] = torch.tensor(x)
-    return batch
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GRAFT_CACHE", Path.home() / ".cache" / "graft"))
 
 
-def _train(model, tokenizer, steps: int, lr: float, seed: int) -> list[float]:
-    """Next-token cross-entropy on arithmetic lines, LoRA parameters only."""
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=lr)
-    losses = []
-    model.train()
-    columns = (TextColumn("training the adapter"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn())
-    with Progress(*columns) as progress:
-        task = progress.add_task("train", total=steps, loss=float("nan"))
-        for _ in range(steps):
-            labels = _arithmetic_batch(rng, tokenizer, BATCH)
-            input_ids = labels.clamp(min=0)
-            loss = model(input_ids=input_ids, attention_mask=(labels != -100).long(), labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            progress.update(task, advance=1, loss=losses[-1])
-    model.eval()
-    return losses
+def cached_base_model(seed: int, cache_dir: Path, console: Console) -> tuple[Path, bool]:
+    """The warm-up base model for `seed`, built on first use; (its directory, whether it was built now)."""
+    args = {**SFT_ARGS, "seed": seed}
+    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir / f"quickstart-base-{key}"
+    if (path / "sft.json").is_file():
+        return path, False
+    console.print(f"building the base model (supervised warm-up on arithmetic, ~1 min; cached at {path})")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sft_base_model(path, **args)
+    return path, True
 
 
-def _plot(losses: list[float], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_title("LoRA adapter, supervised warm-up on arithmetic")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def quickstart_config(base_dir: Path, seed: int, steps: int | None = None) -> GraftConfig:
+    overrides = [*QUICKSTART_SETTINGS, f"model.path={base_dir}", f"train.seed={seed}"]
+    if steps is not None:
+        overrides.append(f"train.steps={steps}")
+    return load_config(None, overrides)
 
 
-async def _serve_and_sync(config, model, run_dir: Path, step: int) -> dict:
-    """Serve the base on a real vLLM server, then push the trained policy both ways and verify each."""
-    shutil.rmtree(run_dir / "weights", ignore_errors=True)  # versions restart at 1 in every run
-    async with open_engine(config, run_dir) as engine:
-        adapter_sync = PolicySync(config, engine, run_dir)
-        adapter_metrics = await adapter_sync(model, 1, step)
-        adapters = await engine.list_adapters()
-        await adapter_sync.close()
-        merged_config = load_config(None, [f"model.path={config.model.path}", "sync.mode=merged"])
-        merged_metrics = await PolicySync(merged_config, engine, run_dir)(model, 1, step)
-    return {"adapter_sync": adapter_metrics, "engine_adapters": adapters, "merged_sync": merged_metrics}
-
-
-def run_quickstart(run_dir: Path) -> dict:
+def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, cache_dir: Path | None = None) -> dict:
+    """Base model (cached) → vLLM → LoRA GRPO with adapter sync → accuracy before/after. Returns the
+    summary written to RUN_DIR/quickstart.json."""
     console = Console()
     start = time.perf_counter()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = load_config(None, ["model.path=" + str(run_dir / "base")])
-    save_config(config, run_dir / "config.yaml")
-    base_dir = Path(config.model.path)
-    if not (base_dir / "config.json").is_file():
-        build_tiny_model(base_dir, arch="qwen2", hidden=128, layers=2, seed=config.train.seed)
-    console.print(f"base model: {base_dir}")
-
-    tokenizer = load_tokenizer(base_dir)
-    lora = config.lora
-    model = attach_lora(load_model(base_dir), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                        target_modules=lora.target_modules, exclude_modules=lora.exclude_modules,
-                        seed=config.train.seed)
-    trainable, total = count_parameters(model)
-    console.print(f"LoRA r={lora.rank} alpha={lora.alpha:g} on {lora.target_modules}: "
-                  f"{trainable:,} trainable of {total:,} parameters")
-    losses = _train(model, tokenizer, TRAIN_STEPS, lr=3e-3, seed=config.train.seed)
-    _plot(losses, run_dir / "loss.png")
-
-    adapter_dir, merged_dir = run_dir / "adapter", run_dir / "merged"
-    save_adapter(model, adapter_dir, base_model_name_or_path=str(base_dir), overwrite=True)
-    probe = _arithmetic_batch(random.Random(12345), tokenizer, 4).clamp(min=0)
-    with torch.no_grad():
-        policy = model(probe).logits
-        with adapter_disabled(model):
-            reference = model(probe).logits
-        peft_logits = peft.PeftModel.from_pretrained(load_model(base_dir), adapter_dir)(probe).logits
-        shutil.rmtree(merged_dir, ignore_errors=True)
-        export_merged(base_dir, adapter_dir, merged_dir)
-        merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(probe).logits
-        base_logits = load_model(base_dir)(probe).logits
-
-    with console.status("starting vLLM and syncing the adapter, then the merged weights (~1 min)"):
-        served = asyncio.run(_serve_and_sync(config, model, run_dir, TRAIN_STEPS))
-
-    result = {
-        "train_steps": TRAIN_STEPS,
-        "loss_first": losses[0],
-        "loss_last": sum(losses[-5:]) / 5,
-        "adapter_is_peft": is_peft_adapter(adapter_dir),
-        "peft_reload_logits_equal": bool(torch.equal(peft_logits, policy)),
-        "merged_vs_adapter_max_abs_diff": (merged_logits - policy).abs().max().item(),
-        "reference_equals_base": bool(torch.equal(reference, base_logits)),
-        **served,
+    base_dir, built = cached_base_model(seed, cache_dir or default_cache_dir(), console)
+    sft_seconds = json.loads((base_dir / "sft.json").read_text())["train_seconds"]
+    config = quickstart_config(base_dir, seed, steps)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        console.print(f"[yellow]{run_dir} is not empty: its earlier run is replaced")
+        _clear_run_dir(run_dir)
+    console.print(f"LoRA GRPO on {base_dir.name}: {config.train.steps} steps x {config.train.batch_prompts} prompts "
+                  f"x {config.rollout.n_samples} samples, vLLM-CPU launched by graft (starting takes ~30-70 s)")
+    result = asyncio.run(train(config, run_dir))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    summary = {
+        "accuracy_before": result["accuracy_before"],
+        "accuracy_after": result["accuracy_after"],
         "seconds": time.perf_counter() - start,
+        "steps": result["steps"],
+        "seed": seed,
+        "base_model": str(base_dir),
+        "base_model_built_now": built,
+        "base_model_train_seconds": sft_seconds,
+        "eval_examples": config.train.eval_examples,
+        "reward_first_10_steps": _mean([r["reward_mean"] for r in rows[:10]]),
+        "reward_last_10_steps": _mean([r["reward_mean"] for r in rows[-10:]]),
+        "max_adapters_loaded": max(r["engine_adapters_loaded"] for r in rows),
+        "keep_versions": config.sync.resolved_keep_versions(config.rollout.max_staleness),
+        "sync_seconds_median": sorted(r["sync_seconds"] for r in rows)[len(rows) // 2],
+        "max_sync_logprob_gap": max(r["sync_logprob_abs_diff_max"] or 0.0 for r in rows),
     }
-    (run_dir / "quickstart.json").write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2) + "\n")
+    _report(console, summary, run_dir)
+    return summary
 
-    table = Table(title="graft quickstart (foundation)")
-    table.add_column("check")
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _clear_run_dir(run_dir: Path) -> None:
+    import shutil
+
+    for entry in run_dir.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def _report(console: Console, s: dict, run_dir: Path) -> None:
+    table = Table(title="graft quickstart: LoRA GRPO on vLLM")
     table.add_column("measured")
-    table.add_row("adapter loss, first step -> mean of last 5", f"{result['loss_first']:.3f} -> {result['loss_last']:.3f}")
-    table.add_row("adapter reloaded by PEFT: logits identical", str(result["peft_reload_logits_equal"]))
-    table.add_row("merged export vs base+adapter: max |Δlogit|", f"{result['merged_vs_adapter_max_abs_diff']:.2e}")
-    table.add_row("adapter disabled == base model (reference policy)", str(result["reference_equals_base"]))
-    for mode in ("adapter", "merged"):
-        m = served[f"{mode}_sync"]
-        table.add_row(f"vLLM {mode} sync: seconds, bytes, max |Δlogprob| vs trainer",
-                      f"{m['sync_seconds']:.3f} s, {m['sync_bytes'] / 2**20:.2f} MiB, {m['logprob_abs_diff_max']:.1e}")
-    table.add_row("vLLM served the adapter as", ", ".join(served["engine_adapters"]))
+    table.add_column("value", justify="right")
+    table.add_row("held-out accuracy before (greedy)", f"{s['accuracy_before']:.1%}")
+    table.add_row("held-out accuracy after", f"{s['accuracy_after']:.1%}")
+    table.add_row("change", f"{(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} points")
+    table.add_row("train reward, first -> last 10 steps", f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")
+    table.add_row("GRPO steps", str(s["steps"]))
+    table.add_row("adapters loaded at most (keep_versions)", f"{s['max_adapters_loaded']} ({s['keep_versions']})")
+    table.add_row("sync seconds (median, incl. verify)", f"{s['sync_seconds_median']:.3f}")
+    table.add_row("largest engine-vs-trainer log-prob gap", f"{s['max_sync_logprob_gap']:.1e}")
+    table.add_row("wall seconds (all of it)", f"{s['seconds']:.0f}")
     console.print(table)
-    console.print(f"adapter: {adapter_dir}\nmerged model: {merged_dir}\nloss plot: {run_dir / 'loss.png'}\n"
-                  f"results: {run_dir / 'quickstart.json'} ({result['seconds']:.0f} s)")
-    console.print("[yellow]Not yet built: the GRPO loop; this run covers the foundation (model, LoRA, adapter "
-                  "I/O, merge, export) and weight sync into a real vLLM server.[/yellow]")
-    return result
+    console.print(f"reward plot: {run_dir / 'reward.png'}\nmetrics: {run_dir / 'metrics.jsonl'}  "
+                  f"TensorBoard: {run_dir / 'tensorboard'}\nresults: {run_dir / 'quickstart.json'}")

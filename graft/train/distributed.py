@@ -105,8 +105,9 @@ def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # not recursive: every unit
+        if isinstance(module, FSDPModule):  # neither setter is recursive: every unit
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
 
 

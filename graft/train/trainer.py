@@ -118,7 +118,8 @@ class _Run:
         return {**metrics, "lr": _learning_rate(self.config, step)}
 
     def _gather_for_publishing(self) -> None:
-        if self.publish_model is self.model:
+        """A collective (all-gather of each LoRA shard) on every rank; rank 0 keeps the result."""
+        if not self.ctx.active:
             return
         targets = lora_parameters(self.publish_model) if self.ctx.is_main else {}
         with torch.no_grad():

@@ -95,17 +95,18 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std).flatten()
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
-    mine = [[mini[i] for i in ctx.rows(len(mini))] for mini in minis]
+    # (this rank's rows of each mini-batch, their weight): with fewer rows than ranks, a rank still
+    # takes part in FSDP2's forward and backward, on a stand-in row whose loss counts zero.
+    mine = [(rows, 1.0) if rows else ([mini[0]], 0.0)
+            for mini in minis for rows in [[mini[i] for i in ctx.rows(len(mini))]]]
     single_step = train.epochs * len(minis) == 1
-    cache = _Rows(model, batch, [r for rows in mine for r in rows], train, pad_id, old_needed=not single_step)
+    cache = _Rows(model, batch, sorted({r for rows, _ in mine for r in rows}), train, pad_id,
+                  old_needed=not single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
     for _ in range(train.epochs):
-        for mini, rows in zip(minis, mine):
+        for mini, (rows, weight) in zip(minis, mine):
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
-            weight = 1.0
-            if not rows:  # fewer sequences than ranks: FSDP2 still needs this rank in forward and backward
-                rows, weight = [mini[0]], 0.0
             loss_sum = 0.0
             for part in _chunks(rows, train.micro_batch_size):
                 loss, stats = _part_loss(model, batch, part, advantages, train, pad_id, divisor, cache, single_step)
