@@ -140,6 +140,14 @@ def _add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None
                         help=f"dotted override, e.g. -o {example} (repeatable)")
 
 
+def _stack_dump_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr: for a run that seems stuck."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no SIGUSR1 here, or stderr is not a real file
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graft", description="RL post-training of LLMs with a LoRA adapter on a frozen base model.")
@@ -243,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack: for a run that seems stuck
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _stack_dump_on_sigusr1()
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -121,7 +121,8 @@ def _report(console: Console, s: dict, run_dir: Path) -> None:
     table.add_row("held-out accuracy before (greedy)", f"{s['accuracy_before']:.1%}")
     table.add_row("held-out accuracy after", f"{s['accuracy_after']:.1%}")
     table.add_row("change", f"{(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} points")
-    table.add_row("train reward, first -> last 10 steps", f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")
+    table.add_row("train reward, first -> last 10 steps",
+                  f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")
     table.add_row("GRPO steps", str(s["steps"]))
     table.add_row("adapters loaded at most (keep_versions)", f"{s['max_adapters_loaded']} ({s['keep_versions']})")
     table.add_row("sync seconds (median, incl. verify)", f"{s['sync_seconds_median']:.3f}")

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from graft.cli import build_parser, main
 
-COMMANDS = ["tiny-model", "export", "config", "bench", "train", "serve", "quickstart"]
+COMMANDS = ["tiny-model", "export", "config", "bench", "train", "eval", "serve", "quickstart"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -50,3 +51,27 @@ def test_config_command_rejects_unknown_key_through_a_subprocess(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"graft: error: unknown config key 'lora.rnak' (in {config})"]
+
+
+def test_eval_reports_base_and_adapter_accuracy(base_dir, tmp_path, capsys):
+    from graft.lora.adapter_io import save_adapter
+    from tests.helpers import trained_like_peft_model
+
+    save_adapter(trained_like_peft_model(base_dir), tmp_path / "adapter")
+    common = ["-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "-o", "train.eval_examples=3",
+              "-o", "rollout.max_new_tokens=3", "--run-dir", str(tmp_path / "run")]
+    assert main(["eval", *common, "--json", str(tmp_path / "base.json")]) == 0
+    assert main(["eval", *common, "--adapter", str(tmp_path / "adapter"), "--json", str(tmp_path / "lora.json")]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy of base model" in out and "held-out accuracy of adapter" in out
+    base, lora = (json.loads((tmp_path / f).read_text()) for f in ("base.json", "lora.json"))
+    assert base["examples"] == lora["examples"] == 3 and base["adapter"] is None
+    assert lora["adapter"] == str(tmp_path / "adapter") and 0.0 <= lora["accuracy"] <= 1.0
+
+
+def test_eval_of_a_directory_that_is_not_an_adapter_is_one_line(base_dir, tmp_path, capsys):
+    (tmp_path / "junk").mkdir()
+    code = main(["eval", "-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "--adapter",
+                 str(tmp_path / "junk"), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "junk" in err[0]

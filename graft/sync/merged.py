@@ -17,8 +17,8 @@ from torch import nn
 
 from graft.lora.export import write_merged_model
 from graft.rollout.engine import RolloutEngine
-from graft.sync.result import SyncResult
 from graft.sync.publish import WeightPublisher
+from graft.sync.result import SyncResult
 
 
 class WeightsSync:

@@ -30,8 +30,14 @@ from graft.sync.policy_sync import PolicySync
 from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import get_reward
 from graft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, init_distributed, shard_model, \
-    shutdown_distributed
+from graft.train.distributed import (
+    Dist,
+    broadcast_batch,
+    full_tensor,
+    init_distributed,
+    shard_model,
+    shutdown_distributed,
+)
 from graft.train.evaluation import evaluate
 from graft.train.metrics import MetricsLog
 from graft.train.producer import RolloutProducer
@@ -73,7 +79,7 @@ class _Run:
 
     def __init__(self, config: GraftConfig, run_dir: Path, ctx: Dist, resume: bool) -> None:
         self.config, self.run_dir, self.ctx = config, run_dir, ctx
-        train, lora = config.train, config.lora
+        train = config.train
         self.checkpoints = run_dir / "checkpoints"
         self.train_set, eval_set = load_task_data(config.data)
         self.eval_set = eval_set[: train.eval_examples]

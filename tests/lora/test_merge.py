@@ -4,7 +4,6 @@ Suffixes: _BTV logits [batch, tokens, vocab].
 """
 
 import copy
-import time
 
 import pytest
 import torch
@@ -274,13 +273,11 @@ def test_1000_merges_leave_the_base_bit_identical(tiny_model_dirs):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.perf_counter()
         first = {name: tensor.clone() for name, tensor in iter_merged_weights(model)}
         for _ in range(998):
             for _ in iter_merged_weights(model):
                 pass
         last = dict(iter_merged_weights(model))
-        seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
 
@@ -291,4 +288,3 @@ def test_1000_merges_leave_the_base_bit_identical(tiny_model_dirs):
     assert first.keys() == last.keys()
     for name, tensor in first.items():
         assert torch.equal(last[name], tensor), name
-    assert seconds < 30, f"1000 merges of a tiny model took {seconds:.1f} s"

@@ -8,7 +8,6 @@ import logging
 
 import pytest
 import torch
-from tests.helpers import trained_like_peft_model
 
 from graft.lora.adapter_io import save_adapter
 from graft.lora.attach import lora_parameters
@@ -18,6 +17,7 @@ from graft.rollout.vllm_client import VllmClient
 from graft.sync.merged import WeightsSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.verify import DeliveryError, verify_delivery
+from tests.helpers import trained_like_peft_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 PROMPTS = [(5, 17, 200, 33, 9), tuple(range(10, 50))]  # the second spans several KV blocks

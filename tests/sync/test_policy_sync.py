@@ -2,13 +2,13 @@ import asyncio
 
 import pytest
 import torch
-from tests.helpers import trained_like_peft_model
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.policy_sync import PolicySync, check_sync_config
 from graft.sync.verify import DeliveryError
+from tests.helpers import trained_like_peft_model
 
 METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "logprob_abs_diff_max",
                "policy_version"}

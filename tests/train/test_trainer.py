@@ -113,3 +113,33 @@ def test_tensorboard_events_hold_the_metrics(base_dir, tmp_path):
     rows = _rows(tmp_path)
     assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6, abs=1e-9)) for r in rows]
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]
+
+
+@pytest.mark.vllm
+def test_async_rollout_with_staleness_one_keeps_the_adapter_window(vllm_server, base_dir, tmp_path):
+    """max_staleness 1 on the real server: batches come from the current or the previous version,
+    generation overlaps training, and the engine never holds more than keep_versions (3) adapters."""
+    from graft.rollout.vllm_client import VllmClient
+    from graft.sync.adapter import adapter_version
+
+    config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "sync.mode=adapter",
+                                "rollout.max_staleness=1", "train.tis_cap=2.0", "train.steps=6",
+                                "train.batch_prompts=2", "rollout.n_samples=4", "rollout.max_new_tokens=6",
+                                "lora.rank=8", "rollout.max_lora_rank=8", "train.eval_examples=2"])
+    seen: list[int] = []
+
+    async def run_and_watch():
+        async with VllmClient(vllm_server.url) as client:
+            task = asyncio.create_task(train(config, tmp_path))
+            while not task.done():  # poll the server itself, not graft's own count
+                seen.append(sum(adapter_version("graft", name) is not None for name in await client.list_adapters()))
+                await asyncio.sleep(0.05)
+            await task
+            return await client.list_adapters()
+
+    assert asyncio.run(run_and_watch()) == []
+    rows = _rows(tmp_path)
+    assert [r["policy_version"] for r in rows] == list(range(1, 7))
+    assert max(seen) <= 3 and max(r["engine_adapters_loaded"] for r in rows) == 3
+    assert all(r["staleness_max"] in (0, 1) for r in rows) and any(r["staleness_max"] == 1 for r in rows)
+    assert all(r["dropped_stale_batches"] == 0 for r in rows)
