@@ -34,10 +34,11 @@ QUICKSTART_SETTINGS = [
     "model.dtype=float32",
     "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
     "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
-    "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=0",
+    "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=1",
     "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.steps=150", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
-    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=50",
+    "train.steps=300", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
+    "train.tis_cap=2.0",
+    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=100",
     "data.task=arithmetic", "data.reward=exact_numeric",
 ]
 
