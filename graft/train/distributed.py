@@ -39,6 +39,13 @@ class Dist:
     def active(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank trains: its GPU when there are GPUs (one per rank), else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
     def rows(self, n: int) -> range:
         """This rank's contiguous share of `n` batch rows (empty when n < world_size for high ranks)."""
         per, extra = divmod(n, self.world_size)
@@ -56,13 +63,20 @@ class Dist:
     def _all_reduce(self, values: list[float], op) -> list[float]:
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
         dist.all_reduce(t, op=op)
         return t.tolist()
 
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """NCCL moves only GPU tensors; gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_distributed(backend: str = "auto") -> Dist:
@@ -123,7 +137,7 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
                               dtype=torch.long)
     else:
         header = torch.zeros(5, dtype=torch.long)
-    dist.broadcast(header, src=0)
+    header = _broadcast(header)
     n_seq, n_prompts, group, version, n_tokens = header.tolist()
     if ctx.is_main:
         lengths_t = torch.tensor(lengths, dtype=torch.long)
@@ -134,12 +148,11 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
         lengths_t = torch.zeros(2 * n_seq, dtype=torch.long)
         ids_t = torch.zeros(n_tokens, dtype=torch.long)
         rewards_t = torch.zeros(n_prompts, group, dtype=torch.float32)
-    for t in (lengths_t, ids_t, rewards_t):
-        dist.broadcast(t, src=0)
+    lengths_t, ids_t, rewards_t = (_broadcast(t) for t in (lengths_t, ids_t, rewards_t))
     n_completion = int(lengths_t[1::2].sum())
     if not ctx.is_main:
         logprobs_t = torch.zeros(n_completion, dtype=torch.float64)
-    dist.broadcast(logprobs_t, src=0)
+    logprobs_t = _broadcast(logprobs_t)
     if ctx.is_main:
         return batch
     sequences, logprobs, at, at_lp = [], [], 0, 0
@@ -148,6 +161,13 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
         logprobs.append(logprobs_t[at_lp:at_lp + c_len].tolist())
         at, at_lp = at + p_len + c_len, at_lp + c_len
     return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0)
+
+
+def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank, back on the CPU."""
+    on_device = tensor.to(_comm_device())
+    dist.broadcast(on_device, src=0)
+    return on_device.cpu()
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class _Run:
         self.eval_set = eval_set[: train.eval_examples]
         self.tokenizer = load_tokenizer(config.model.path)
         self.reward_fn = get_reward(config.data.reward)
-        self.model = self._policy(config)
+        self.model = self._policy(config).to(ctx.device)
         shard_model(self.model, ctx)
         # Rank 0 publishes and verifies from an unsharded copy that receives the LoRA weights after
         # each step (a LoRA-only gather); with one rank the model itself.

@@ -34,6 +34,12 @@ def _completion_logprobs(model: nn.Module, input_ids_BT, attention_mask_BT) -> t
     return token_logprobs(logits_BTV, next_token_targets(input_ids_BT)), logits_BTV
 
 
+def _padded_on_device(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int):
+    """Right-padded `(input_ids_BT, attention_mask_BT, completion_mask_BT)` on the model's device."""
+    device = next(model.parameters()).device
+    return tuple(t.to(device) for t in pad([batch.sequences[r] for r in rows], "right", pad_id))
+
+
 def _chunks(rows: list[int], size: int | None) -> list[list[int]]:
     size = size or len(rows) or 1
     return [rows[i:i + size] for i in range(0, len(rows), size)]
@@ -60,20 +66,21 @@ class _Rows:
         self.gap = 0.0
         with torch.no_grad():
             for part in _chunks(rows, train.micro_batch_size):
-                input_ids_BT, attention_mask_BT, mask_BT = pad([batch.sequences[r] for r in part], "right", pad_id)
+                input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
                 with adapter_disabled(model):
                     ref_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
                 policy_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
                 for b, r in enumerate(part):
                     self.ref[r] = ref_BT[b, mask_BT[b]]
-                    self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=policy_BT.dtype)
+                    self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=policy_BT.dtype,
+                                                  device=policy_BT.device)
                     if old_needed:
                         self.old[r] = policy_BT[b, mask_BT[b]]
                     if len(self.engine[r]):
                         self.gap = max(self.gap, (self.engine[r] - policy_BT[b, mask_BT[b]]).abs().max().item())
 
     def padded(self, which: dict, rows: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
-        out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32)
+        out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
         for b, r in enumerate(rows):
             out_BT[b, mask_BT[b]] = which[r]
         return out_BT
@@ -93,6 +100,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     model.train()
     n_prompts, group = batch.rewards_PG.shape
     advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std).flatten()
+    advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
     # (this rank's rows of each mini-batch, their weight): with fewer rows than ranks, a rank still
@@ -132,7 +140,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
 def _part_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantages: torch.Tensor, train: TrainConfig,
                pad_id: int, divisor: float, cache: _Rows, single_step: bool) -> tuple[torch.Tensor, dict]:
     """Loss of `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
-    input_ids_BT, attention_mask_BT, mask_BT = pad([batch.sequences[r] for r in rows], "right", pad_id)
+    input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, rows, pad_id)
     logprobs_BT, logits_BTV = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
     old_BT = logprobs_BT.detach() if single_step else cache.padded(cache.old, rows, mask_BT)
     ref_BT = cache.padded(cache.ref, rows, mask_BT)
