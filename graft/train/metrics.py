@@ -24,6 +24,9 @@ REQUIRED_KEYS = (
 )
 
 
+SMOOTHING = 10  # steps in the reward curve's moving average
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -82,16 +85,17 @@ class MetricsLog:
         if self.rows:
             steps = [r["step"] for r in self.rows]
             mean = [r["reward_mean"] for r in self.rows]
-            std = [r["reward_std"] for r in self.rows]
-            ax.plot(steps, mean, label="train reward (mean over samples)")
-            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+            ax.plot(steps, mean, color="tab:blue", alpha=0.3, linewidth=0.8, label="train reward (batch mean)")
+            smooth = [sum(mean[max(0, i - SMOOTHING + 1):i + 1]) / len(mean[max(0, i - SMOOTHING + 1):i + 1])
+                      for i in range(len(mean))]
+            ax.plot(steps, smooth, color="tab:blue", linewidth=2, label=f"train reward ({SMOOTHING}-step mean)")
         if self.evals:
-            ax.plot(*zip(*self.evals), "o--", label="held-out accuracy (greedy)")
+            ax.plot(*zip(*self.evals), "o--", color="tab:orange", label="held-out accuracy (greedy)")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
+        ax.legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(self.run_dir / "reward.png", dpi=110)
         plt.close(fig)
