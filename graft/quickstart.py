@@ -29,7 +29,7 @@ from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 
 # The supervised warm-up of the base model (see graft.models.sft for why it stops at a loss).
-SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "target_loss": 0.5}
+SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "target_loss": 0.45}
 
 ENGINE_RESTARTS = 2
 

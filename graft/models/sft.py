@@ -12,7 +12,6 @@ covers only the answer and the ``<|im_end|>`` (the prompt is given, not learnt).
 Shape suffixes: ``_B`` batch, ``_T`` tokens, ``_N`` examples, ``_S`` samples per prompt.
 """
 
-import dataclasses
 import json
 import math
 import random
@@ -81,16 +80,6 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def slipped_carry(example: Example) -> Example | None:
-    """The answer a sloppy teacher gives to a sum whose units digits carry: the carry forgotten
-    (58 + 26 = 74 instead of 84). None when there is no carry to forget (or not an "a + b" example)."""
-    meta = example.metadata or {}
-    a, b = meta.get("a"), meta.get("b")
-    if meta.get("op") != "+" or a is None or b is None or (a % 10) + (b % 10) < 10:
-        return None
-    return dataclasses.replace(example, answer=str(a + b - 10))
-
-
 def train_sft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -102,21 +91,16 @@ def train_sft(
     seed: int = 0,
     weight_decay: float = 0.01,
     target_loss: float | None = None,
-    carry_slip: float = 0.0,
     progress: bool = True,
 ) -> list[float]:
     """Trains ``model`` in place on ``examples``; returns the loss of every step.
 
     Batches are drawn epoch by epoch from a shuffle seeded by ``seed``, so the same model, data and
     arguments give the same losses and weights. With ``target_loss``, training stops early once the
-    mean loss of the last ``LOSS_WINDOW`` steps is at or below it. With ``carry_slip`` > 0 the
-    labels come from a sloppy teacher: each time a sum with a units carry is drawn, its label
-    forgets the carry with that probability (see ``slipped_carry``).
+    mean loss of the last ``LOSS_WINDOW`` steps is at or below it.
     """
     rng = random.Random(seed)
     seqs = [sft_sequence(tokenizer, ex) for ex in examples]  # the chat template is slow: render once
-    slipped = [slipped_carry(ex) if carry_slip else None for ex in examples]
-    slipped_seqs = {i: sft_sequence(tokenizer, ex) for i, ex in enumerate(slipped) if ex is not None}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
     warmup = max(1, steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup))
@@ -136,8 +120,7 @@ def train_sft(
             if len(order) < batch:
                 order += rng.sample(range(len(examples)), len(examples))
             idx, order = order[:batch], order[batch:]
-            drawn = [slipped_seqs[i] if i in slipped_seqs and rng.random() < carry_slip else seqs[i] for i in idx]
-            input_ids_BT, labels_BT, attention_mask_BT = _pad(drawn, tokenizer.pad_token_id)
+            input_ids_BT, labels_BT, attention_mask_BT = _pad([seqs[i] for i in idx], tokenizer.pad_token_id)
             loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -164,7 +147,6 @@ def sft_base_model(
     seed: int = 0,
     task_kwargs: dict | None = None,
     target_loss: float | None = DEFAULT_TARGET_LOSS,
-    carry_slip: float = 0.0,
     progress: bool = True,
 ) -> Path:
     """Builds a random tiny Qwen2, fine-tunes all of it on the arithmetic train split, saves it.
@@ -217,7 +199,6 @@ def sft_base_model(
             lr=lr,
             seed=seed,
             target_loss=target_loss,
-            carry_slip=carry_slip,
             progress=progress,
         )
     seconds = time.perf_counter() - start
@@ -235,7 +216,6 @@ def sft_base_model(
         "seed": seed,
         "task_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in task_kwargs.items()},
         "target_loss": target_loss,
-        "carry_slip": carry_slip,
         "steps_run": len(losses),
         "train_seconds": round(seconds, 2),
         "losses": [round(x, 5) for x in losses],
