@@ -155,7 +155,8 @@ class TrainConfig(_Section):
     steps: int = Field(20, ge=1, description="Optimizer steps (one rollout batch each).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per step; each gets rollout.n_samples completions.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen base; 0 = off.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen base; 0 = off (no reference "
+                         "forward pass; metrics report kl as null).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range epsilon.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(

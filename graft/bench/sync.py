@@ -62,28 +62,39 @@ SHAPES = {
 }
 
 
-def _build_base(shape: ModelShape, out: Path) -> Path:
+def qwen2_config(shape: ModelShape, *, eos_token_id: int | None = None, pad_token_id: int | None = None
+                 ) -> Qwen2Config:
+    """The bf16 Qwen2 config of `shape` (no weights: tests count its parameters on the meta device)."""
+    return Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, max_position_embeddings=2048,
+                       tie_word_embeddings=shape.tied, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                       dtype=torch.bfloat16)
+
+
+def build_base(shape: ModelShape, out: Path) -> Path:
     """A random bf16 model of `shape` with graft's local tokenizer (ids fit in the vocabulary)."""
     tokenizer = train_tokenizer()
-    config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, max_position_embeddings=2048,
-                         tie_word_embeddings=shape.tied, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, dtype=torch.bfloat16)
+    config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
-def _raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
-    """The floor: gather the adapter tensors (as publishing does) and write them, fsynced. (seconds, bytes)"""
-    start = time.perf_counter()
-    tensors = adapter_state_dict(policy)
+def save_fsync(tensors: dict[str, torch.Tensor], path: Path) -> int:
+    """`safetensors.save_file` + fsync: what any publish must at least do. Returns tensor bytes."""
     safetensors.torch.save_file(tensors, path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return time.perf_counter() - start, sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
+    """The floor: gather the adapter tensors (as publishing does) and write them, fsynced. (seconds, bytes)"""
+    start = time.perf_counter()
+    size = save_fsync(adapter_state_dict(policy), path)
+    return time.perf_counter() - start, size
 
 
 async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
@@ -106,7 +117,7 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
                 results = {"adapter": await adapter_sync.sync(policy, version, version),
                            "merged": await merged_sync.sync(policy, version, version),
                            "full": await full_sync.sync(full_model, version, version)}
-                raw = _raw_write_seconds(policy, work / f"raw-{version}.safetensors")
+                raw = raw_write_seconds(policy, work / f"raw-{version}.safetensors")
                 if version > 1:
                     for mode, result in results.items():
                         samples[mode].append((result.seconds, result.bytes))
@@ -127,7 +138,7 @@ def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), rep
         with tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-{name}-") as tmp:
             work = Path(tmp)
             with console.status(f"{name}: building a random model and starting vLLM"):
-                base = _build_base(shape, work / "base")
+                base = build_base(shape, work / "base")
                 server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=shape.rank,
                                                      max_loras=4, log_dir=work)).start()
             try:

@@ -57,27 +57,40 @@ def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[in
 
 
 class _Rows:
-    """Per-row tensors of the completion tokens, computed once before the first optimizer step:
-    the reference log-probs (adapter disabled), the engine's, and the old policy's when it matters."""
+    """Per-row tensors of the completion tokens, computed once before the first optimizer step: the
+    engine's log-probs, the reference's (adapter disabled) when the KL is in the loss, and the old
+    policy's when more than one optimizer step needs them. With one step and no KL there is no extra
+    forward pass at all: the loss's own forward gives the old policy (see `note_gap`)."""
 
     def __init__(self, model: nn.Module, batch: RolloutBatch, rows: list[int], train: TrainConfig, pad_id: int,
                  old_needed: bool) -> None:
         self.ref, self.engine, self.old = {}, {}, {}
         self.gap = 0.0
+        device = next(model.parameters()).device
+        for r in rows:
+            self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=torch.float32, device=device)
+        ref_needed = bool(train.kl_coef)
+        if not (ref_needed or old_needed):
+            return
         with torch.no_grad():
             for part in _chunks(rows, train.micro_batch_size):
                 input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
-                with adapter_disabled(model):
-                    ref_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
-                policy_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                if ref_needed:
+                    with adapter_disabled(model):
+                        ref_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                if old_needed:
+                    policy_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
                 for b, r in enumerate(part):
-                    self.ref[r] = ref_BT[b, mask_BT[b]]
-                    self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=policy_BT.dtype,
-                                                  device=policy_BT.device)
+                    if ref_needed:
+                        self.ref[r] = ref_BT[b, mask_BT[b]]
                     if old_needed:
                         self.old[r] = policy_BT[b, mask_BT[b]]
-                    if len(self.engine[r]):
-                        self.gap = max(self.gap, (self.engine[r] - policy_BT[b, mask_BT[b]]).abs().max().item())
+                        self.note_gap(r, self.old[r])
+
+    def note_gap(self, row: int, policy_logprobs: torch.Tensor) -> None:
+        """Track the largest |engine - trainer| log-prob gap, trainer log-probs before any update."""
+        if len(self.engine[row]):
+            self.gap = max(self.gap, (self.engine[row] - policy_logprobs).abs().max().item())
 
     def padded(self, which: dict, rows: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
         out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
@@ -132,7 +145,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     totals = ctx.sum([*losses, tokens, *sums.values()])
     losses, tokens, stat_sums = totals[:len(losses)], totals[len(losses)], totals[len(losses) + 1:]
     (gap,) = ctx.max([cache.gap])
-    return {"loss": sum(losses) / len(losses), **{k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)},
+    stats = {k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)}
+    if not train.kl_coef:
+        stats["kl"] = None  # no reference forward pass was run (see _Rows)
+    return {"loss": sum(losses) / len(losses), **stats,
             "grad_norm": sum(grad_norms) / len(grad_norms), "optimizer_steps": len(losses),
             "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
 
@@ -142,8 +158,13 @@ def _part_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantage
     """Loss of `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, rows, pad_id)
     logprobs_BT, logits_BTV = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
-    old_BT = logprobs_BT.detach() if single_step else cache.padded(cache.old, rows, mask_BT)
-    ref_BT = cache.padded(cache.ref, rows, mask_BT)
+    if single_step:
+        old_BT = logprobs_BT.detach()
+        for b, r in enumerate(rows):
+            cache.note_gap(r, old_BT[b, mask_BT[b]])
+    else:
+        old_BT = cache.padded(cache.old, rows, mask_BT)
+    ref_BT = cache.padded(cache.ref, rows, mask_BT) if train.kl_coef else None
     tis_BT = None
     if train.tis_cap:
         tis_BT = truncated_importance_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), train.tis_cap)

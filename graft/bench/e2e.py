@@ -1,0 +1,155 @@
+"""`graft bench e2e`: one LoRA GRPO step of graft vs TRL's GRPOTrainer + PEFT, side by side.
+
+Both sides train the same random tiny Qwen2 (random weights generate to the token limit, so
+"32 tokens" really is 32 tokens) on the same task, reward, prompts per step, samples per prompt,
+max new tokens, LoRA rank/alpha/targets, fp32, AdamW and learning rate, one optimizer step per
+rollout batch (on-policy: graft with max_staleness 0, so neither side overlaps anything).
+
+- graft: `graft train` in this process against one vLLM-CPU server the bench starts (adapter sync
+  with verification every step, as a user runs it); split = rollout / train / sync from
+  metrics.jsonl.
+- TRL: `graft.bench.trl_worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
+  split = generation + scoring / the rest.
+
+Runs interleave A B A B over the repetitions; the first `warmup` steps of every run are dropped and
+the medians are taken over the remaining steps of all repetitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
+from graft.config import load_config
+from graft.models.tiny import build_tiny_model
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.train.metrics import read_jsonl
+from graft.train.trainer import train
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: int
+    samples: int
+    max_new_tokens: int
+
+
+# Batching matters at the first; the second is the smallest step either library can take.
+WORKLOADS = (Workload("16x8x32", 16, 8, 32), Workload("1x8x16", 1, 8, 16))
+# Shared by both sides.
+LORA = {"rank": 8, "alpha": 16, "targets": "all-linear"}
+LR = 1e-4
+TASK = {"task": "arithmetic", "reward": "exact_numeric"}
+SPLIT = ("rollout_seconds", "train_seconds", "sync_seconds")
+
+
+def graft_overrides(base: Path, url: str, workload: Workload, steps: int, seed: int, name: str) -> list[str]:
+    """`graft train` settings equal to the TRL side's (see `trl_worker.trl_arguments`)."""
+    return [
+        f"model.path={base}", "model.dtype=float32",
+        f"lora.name={name}", f"lora.rank={LORA['rank']}", f"lora.alpha={LORA['alpha']}",
+        f"lora.target_modules={LORA['targets']}",
+        "rollout.engine=vllm", f"rollout.urls=[{url}]", f"rollout.max_lora_rank={max(8, LORA['rank'])}",
+        f"rollout.n_samples={workload.samples}", f"rollout.max_new_tokens={workload.max_new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.max_staleness=0",
+        "sync.mode=adapter", "sync.verify=true",
+        f"train.steps={steps}", f"train.batch_prompts={workload.prompts}", "train.mini_batches=1", "train.epochs=1",
+        f"train.lr={LR}", "train.kl_coef=0.0", "train.entropy_coef=0.0", "train.clip_eps=0.2",
+        "train.loss_agg=token-mean", "train.normalize_adv_std=true", "train.grad_clip=1.0",
+        f"train.seed={seed}", "train.eval_examples=8",
+        f"data.task={TASK['task']}", f"data.reward={TASK['reward']}",
+    ]
+
+
+def trl_spec(base: Path, workload: Workload, steps: int, seed: int) -> dict:
+    return {"base": str(base), **TASK, "seed": seed, "prompts": workload.prompts, "samples": workload.samples,
+            "max_new_tokens": workload.max_new_tokens, "mini_batches": 1, "lr": LR, **LORA, "steps": steps}
+
+
+def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path) -> list[dict]:
+    """Per-step rows {seconds, rollout/train/sync seconds, completion_tokens_mean} of one graft run."""
+    config = load_config(None, graft_overrides(base, url, workload, steps, seed, name=f"e2e-{run_dir.name}"))
+    asyncio.run(train(config, run_dir))
+    completions = workload.prompts * workload.samples
+    return [{"seconds": row["step_seconds"], **{k: row[k] for k in SPLIT},
+             "completion_tokens_mean": row["rollout_tokens"] / completions}
+            for row in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def trl_steps(python: Path, base: Path, workload: Workload, steps: int, seed: int, work: Path) -> list[dict]:
+    return run_trl(python, trl_spec(base, workload, steps, seed), work)["steps"]
+
+
+def summarise(workload: Workload, measured: dict[str, list[list[dict]]]) -> dict:
+    """Medians over the measured steps of every repetition, per side, and the ratio trl / graft."""
+    row = asdict(workload)
+    for side, runs in measured.items():
+        steps = [step for run in runs for step in run]
+        row[f"{side}_seconds_per_step"] = statistics.median(s["seconds"] for s in steps)
+        row[side] = {key: statistics.median(s[key] for s in steps) for key in (*SPLIT, "completion_tokens_mean")}
+        row[side]["repetition_medians"] = [statistics.median(s["seconds"] for s in run) for run in runs]
+    row["ratio"] = row["trl_seconds_per_step"] / row["graft_seconds_per_step"]
+    return row
+
+
+def run_e2e_bench(workloads: tuple[Workload, ...] = WORKLOADS, repeats: int = 3, steps: int = 6, warmup: int = 2,
+                  hidden: int = 128, layers: int = 2, cache_dir: Path | None = None) -> dict:
+    """Seconds per step of graft and TRL for each workload, interleaved A B A B over `repeats`."""
+    from graft.quickstart import default_cache_dir
+
+    console = Console(stderr=True)
+    python = trl_python(cache_dir or default_cache_dir(), console)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="graft-bench-e2e-") as tmp:
+        work = Path(tmp)
+        base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+        console.print("starting vLLM-CPU for graft's side (~30-60 s; TRL generates in-process)")
+        server = VllmServer(VllmServerConfig(model=str(base), dtype="float32", max_lora_rank=max(8, LORA["rank"]),
+                                             max_loras=4, log_dir=work)).start()
+        try:
+            total, done = len(workloads) * repeats * 2, 0
+            for workload in workloads:
+                measured: dict[str, list[list[dict]]] = {"graft": [], "trl": []}
+                for rep in range(repeats):
+                    seed = rep
+                    for side in ("graft", "trl"):
+                        run_dir = work / f"{workload.name}-{side}-{rep}"
+                        if side == "graft":
+                            steps_rows = graft_steps(base, server.url, workload, steps, seed, run_dir)
+                        else:
+                            steps_rows = trl_steps(python, base, workload, steps, seed, run_dir)
+                        measured[side].append(steps_rows[warmup:])
+                        done += 1
+                        median = statistics.median(s["seconds"] for s in steps_rows[warmup:])
+                        console.print(f"[{done}/{total}] {workload.name} {side:5s} repetition {rep + 1}: "
+                                      f"{median:.3f} s/step")
+                rows.append(summarise(workload, measured))
+        finally:
+            server.stop()
+    return {"model": f"random qwen2 hidden={hidden} layers={layers} fp32", "lora": LORA, "lr": LR,
+            "repeats": repeats, "steps_per_run": steps, "warmup_steps": warmup, "trl_version": TRL_VERSION,
+            "graft_engine": "vLLM-CPU (one server, adapter sync + verify every step)",
+            "trl_engine": "transformers generate (in the training process)", "workloads": rows}
+
+
+def print_e2e_report(result: dict) -> None:
+    table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} ({result['model']}, "
+                        f"medians of {result['repeats']} x {result['steps_per_run'] - result['warmup_steps']} steps)")
+    for column in ("workload", "side", "s/step", "rollout s", "train s", "sync s", "tokens/completion",
+                   "TRL / graft"):
+        table.add_column(column)
+    for row in result["workloads"]:
+        for side in ("graft", "trl"):
+            split = row[side]
+            table.add_row(row["name"], side, f"{row[f'{side}_seconds_per_step']:.3f}",
+                          *(f"{split[k]:.3f}" for k in SPLIT), f"{split['completion_tokens_mean']:.1f}",
+                          f"{row['ratio']:.2f}x" if side == "trl" else "")
+    Console().print(table)

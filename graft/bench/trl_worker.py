@@ -1,0 +1,145 @@
+"""The TRL side of `graft bench e2e` / `graft bench learning`: TRL's GRPOTrainer with a PEFT LoRA.
+
+Runs as `python -m graft.bench.trl_worker SPEC.json OUT.json` in the bench's own TRL virtualenv
+(`graft.bench.trl_env`), never in graft's: TRL is not one of graft's dependencies. It imports only
+`graft.tasks` from graft (pure Python), so both libraries train on the same prompts, chat template
+and reward code.
+
+The spec matches graft's settings one for one (see `trl_arguments`); it writes per-step timings
+(step, generation + scoring = "rollout", the rest = "train") and, when asked, PEFT adapters saved
+during training for the learning-curve bench. Saving is outside the timed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from graft.config import DataConfig
+from graft.tasks import Example, get_reward, load_task_data
+
+
+def prompt_rows(examples: list[Example]) -> list[dict]:
+    """Dataset rows TRL applies the tokenizer's chat template to: one user turn, like graft's
+    `render_prompt_ids`; `example_index` lets the reward find the answer."""
+    return [{"prompt": [{"role": "user", "content": ex.prompt}], "example_index": i} for i, ex in enumerate(examples)]
+
+
+def reward_function(examples: list[Example], reward_name: str):
+    """A TRL reward function (prompts, completions, **dataset columns) -> list of floats that scores
+    each completion with graft's reward of the same name."""
+    reward = get_reward(reward_name)
+
+    def graft_reward(prompts, completions, example_index, **_) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [reward(text, examples[i]) for text, i in zip(texts, example_index)]
+
+    graft_reward.__name__ = reward_name
+    return graft_reward
+
+
+def trl_arguments(spec: dict, output_dir: str) -> dict:
+    """GRPOConfig keyword arguments equal to graft's settings for the spec.
+
+    One rollout batch is `prompts x samples` completions, split into `mini_batches` optimizer steps
+    (graft's train.mini_batches == TRL's steps_per_generation), one pass (num_iterations 1), PPO clip
+    0.2, token-mean loss over the whole batch ("dapo" == graft's token-mean), group-std-normalised
+    advantages ("group" == graft's normalize_adv_std), no KL (beta 0), fp32, AdamW with torch's
+    default weight decay (graft uses torch.optim.AdamW as is) and a constant learning rate.
+    Gradient checkpointing is off: graft does not checkpoint, and on a model this small TRL's
+    default (on) would only make TRL slower.
+    """
+    completions = spec["prompts"] * spec["samples"]
+    return dict(
+        output_dir=output_dir, use_cpu=True, use_vllm=False, bf16=False, fp16=False,
+        gradient_checkpointing=False, seed=spec["seed"], data_seed=spec["seed"],
+        per_device_train_batch_size=completions // spec["mini_batches"], gradient_accumulation_steps=1,
+        steps_per_generation=spec["mini_batches"], num_generations=spec["samples"], num_iterations=1,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
+        optim="adamw_torch", max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group",
+        max_steps=spec["steps"], logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def run(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    setup_start = time.perf_counter()
+    train_set, _ = load_task_data(DataConfig(task=spec["task"], reward=spec["reward"]))
+    tokenizer = AutoTokenizer.from_pretrained(spec["base"])
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    lora = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=spec["targets"],
+                      task_type="CAUSAL_LM")
+    steps: list[dict] = []
+    adapters: list[dict] = []
+    save_dir = Path(spec["save_dir"]) if spec.get("save_every") else None
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Times TRL's generation + scoring (its "rollout"); the rest of a step is training."""
+
+        rollout_seconds = 0.0
+        batch_stats: dict = {}
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            TimedGRPOTrainer.rollout_seconds += time.perf_counter() - start
+            lengths = out["completion_mask"].sum(dim=1).float()
+            TimedGRPOTrainer.batch_stats = {"completion_tokens_mean": lengths.mean().item()}
+            return out
+
+    class StepClock(TrainerCallback):
+        """Per-step wall time; stops the run at the spec's time budget; saves adapters off the clock."""
+
+        def __init__(self) -> None:
+            self.started = 0.0
+            self.clock = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            TimedGRPOTrainer.rollout_seconds = 0.0
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seconds = time.perf_counter() - self.started
+            self.clock += seconds
+            rollout = TimedGRPOTrainer.rollout_seconds
+            steps.append({"step": state.global_step, "seconds": seconds, "rollout_seconds": rollout,
+                          "train_seconds": seconds - rollout, "sync_seconds": 0.0, "clock": self.clock,
+                          **TimedGRPOTrainer.batch_stats})
+            if save_dir is not None and state.global_step % spec["save_every"] == 0:
+                path = save_dir / f"step-{state.global_step}"
+                model.save_pretrained(path)
+                adapters.append({"step": state.global_step, "clock": self.clock, "path": str(path)})
+            if spec.get("time_budget_s") and self.clock >= spec["time_budget_s"]:
+                control.should_training_stop = True
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    trainer = TimedGRPOTrainer(
+        model=model, processing_class=tokenizer, peft_config=lora,
+        reward_funcs=reward_function(train_set, spec["reward"]),
+        train_dataset=Dataset.from_list(prompt_rows(train_set)),
+        args=GRPOConfig(**trl_arguments(spec, "trl-output")), callbacks=[StepClock()],
+    )
+    setup_seconds = time.perf_counter() - setup_start
+    trainer.train()
+    return {"setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
+            "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1:3]
+    result = run(json.loads(Path(spec_path).read_text()))
+    Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
