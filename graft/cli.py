@@ -60,9 +60,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.which == "e2e":
         from graft.bench.e2e import print_e2e_report, run_e2e_bench
 
-        result = run_e2e_bench(repeats=min(args.repeats, 5), steps=args.steps, hidden=args.hidden or 128,
+        result = run_e2e_bench(repeats=min(args.repeats, 5), steps=args.steps or 6, hidden=args.hidden or 128,
                                layers=args.layers or 2)
         print_e2e_report(result)
+    elif args.which == "learning":
+        from graft.bench.learning import print_learning_report, run_learning_bench
+
+        result = run_learning_bench(steps=args.steps or 150, out_dir=Path(args.plot_dir))
+        print_learning_report(result)
     else:
         from graft.bench.rollout import print_rollout_report, run_rollout_bench
 
@@ -193,13 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and the merged weights reloaded; same prompts, rounds interleaved. "
                                    "sync: publish + engine-apply seconds and bytes for adapter, merged and full "
                                    "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model.")
-    p.add_argument("which", choices=["merge", "rollout", "sync", "e2e"], help="benchmark to run")
+    p.add_argument("which", choices=["merge", "rollout", "sync", "e2e", "learning"], help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256, e2e 128)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
-    p.add_argument("--steps", type=int, default=6, help="e2e: steps per run, the first 2 are warm-up (default 6)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="e2e: steps per run, the first 2 are warm-up (default 6); "
+                        "learning: graft's steps (default 150)")
+    p.add_argument("--plot-dir", default="runs/bench", help="where plots are written (default runs/bench)")
     p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)

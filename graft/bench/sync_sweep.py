@@ -2,12 +2,15 @@
 
 The claim checked: adapter sync grows linearly with adapter bytes and stays within 2x of the raw-write
 floor. Every point measures these modes, interleaved within each round (medians over rounds, after one
-warm-up round), each starting on a settled disk (an untimed `os.sync()` before it):
+warm-up round), each starting on a flushed disk and an idle engine (untimed, see `_settle`):
 - adapter: AdapterSync, publish + load into vLLM (+ unload of the version leaving the window);
 - adapter_publish: its publish part alone (files, fsync, hashes, manifest);
+- adapter_engine_tail: seconds vLLM keeps working (CPU) after the adapter sync returned;
 - raw_write: adapter's floor: gather the adapter tensors, `safetensors.save_file`, fsync;
 - merged: WeightsSync(kind="merged"), publish base + LoRA merged (fp32 math) + reload the server's weights;
 - merged_publish: its publish part alone;
+- merged_engine_tail: seconds vLLM keeps working after the merged sync returned (not in `merged`, but the
+  next rollout or trainer step pays it on a shared CPU);
 - merged_raw_write: merged's floor: the same weight bytes (the base's, same names, shapes and dtype as the
   merged ones) written with `safetensors.save_file` + fsync; the merge itself is not timed.
 
@@ -73,9 +76,9 @@ SWEEPS: dict[str, list[list[ModelShape]]] = {
     "size": [[shape] for shape in SIZE_SHAPES],
     "rank": [[replace(QWEN05, rank=rank) for rank in RANKS]],
 }
-MODES = ("adapter", "adapter_publish", "raw_write", "merged", "merged_publish", "merged_raw_write")
-FLOORS = {"adapter": "raw_write", "adapter_publish": "raw_write", "raw_write": "raw_write",
-          "merged": "merged_raw_write", "merged_publish": "merged_raw_write", "merged_raw_write": "merged_raw_write"}
+MODES = ("adapter", "adapter_publish", "adapter_engine_tail", "raw_write",
+         "merged", "merged_publish", "merged_engine_tail", "merged_raw_write")
+FLOORS = {mode: "raw_write" if mode.startswith(("adapter", "raw")) else "merged_raw_write" for mode in MODES}
 
 
 def merged_raw_write_seconds(model: nn.Module, path: Path) -> tuple[float, int]:
@@ -93,7 +96,46 @@ def _lora_view(model: nn.Module, rank: int) -> peft.PeftModel:
     return attach_lora(shared, rank=rank, alpha=2 * rank, seed=0)
 
 
-async def _measure_group(url: str, base: Path, work: Path, shapes: Sequence[ModelShape], repeats: int,
+def _group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
+    total_ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # the process exited while we looked
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ..., utime (11), stime (12)
+        if int(fields[2]) == pgid:
+            total_ticks += int(fields[11]) + int(fields[12])
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0.2, timeout_s: float = 120.0
+                      ) -> float:
+    """Block until the engine's processes use under `busy_fraction` of a core over `window_s`. Returns the
+    seconds waited (the engine's tail of work after a sync call returned; resolution `window_s`)."""
+    start = time.perf_counter()
+    before = _group_cpu_seconds(pgid)
+    while time.perf_counter() - start < timeout_s:
+        time.sleep(window_s)
+        now = _group_cpu_seconds(pgid)
+        if now - before < busy_fraction * window_s:
+            return time.perf_counter() - start - window_s
+        before = now
+    return time.perf_counter() - start
+
+
+def _settle(pgid: int) -> None:
+    """Untimed, before each mode: flush the disk and wait for the engine to go idle, so a mode does not pay
+    for the previous one's writeback or engine work. Measured without it (58M model): a 4 MiB raw write
+    took 0.6-0.9 s right after a merged sync (vLLM still busy ~0.7 s of CPU), 0.04 s once vLLM was idle."""
+    os.sync()
+    _wait_engine_idle(pgid)
+
+
+async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Sequence[ModelShape], repeats: int,
                          progress: Progress, task) -> tuple[int, list[dict[str, tuple[float, int]]]]:
     """(base parameters, per point {mode: (median seconds, bytes)}); rounds outer, points then modes inner."""
     plain = load_model(base, dtype="bfloat16")
@@ -113,24 +155,26 @@ async def _measure_group(url: str, base: Path, work: Path, shapes: Sequence[Mode
                     with torch.no_grad():  # a new policy each round, as after an optimizer step
                         for param in lora_parameters(policy).values():
                             param.normal_(std=0.01)
-                    # os.sync() (untimed) before each mode: a mode must not pay for the previous one's
-                    # writeback and freed blocks. Without it, rank-128 raw_write (134 MiB) measured 2.8 s right
-                    # after a merged sync at the 0.5B shape, 0.15 s on a quiet disk.
-                    os.sync()
+                    _settle(pgid)
                     adapter = await adapter_sync.sync(policy, version, version)
-                    os.sync()
+                    adapter_tail = _wait_engine_idle(pgid)
+                    _settle(pgid)
                     merged = await merged_sync.sync(policy, version, version)
+                    merged_tail = _wait_engine_idle(pgid)
                     raw_path.unlink(missing_ok=True)
                     merged_raw_path.unlink(missing_ok=True)
-                    os.sync()
+                    _settle(pgid)
                     raw_write = raw_write_seconds(policy, raw_path)
-                    os.sync()
+                    _settle(pgid)
+                    merged_raw_write = merged_raw_write_seconds(plain, merged_raw_path)
                     measured = {"adapter": (adapter.seconds, adapter.bytes),
                                 "adapter_publish": (adapter.publish_seconds, adapter.bytes),
+                                "adapter_engine_tail": (adapter_tail, adapter.bytes),
                                 "raw_write": raw_write,
                                 "merged": (merged.seconds, merged.bytes),
                                 "merged_publish": (merged.publish_seconds, merged.bytes),
-                                "merged_raw_write": merged_raw_write_seconds(plain, merged_raw_path)}
+                                "merged_engine_tail": (merged_tail, merged.bytes),
+                                "merged_raw_write": merged_raw_write}
                     if round_index > 0:
                         for mode, sample in measured.items():
                             point[mode].append(sample)
@@ -179,8 +223,8 @@ def run_sync_sweep(sweep: str, repeats: int = 3, *, groups: Sequence[Sequence[Mo
                 with Progress(transient=True, console=console) as progress:
                     task = progress.add_task(f"{model.name}: rounds of {len(shapes)} point(s) x {len(MODES)} modes",
                                              total=(repeats + 1) * len(shapes))
-                    params, medians = asyncio.run(_measure_group(server.url, base, work, shapes, repeats, progress,
-                                                                 task))
+                    params, medians = asyncio.run(_measure_group(server.url, server.pid, base, work, shapes, repeats,
+                                                                 progress, task))
             finally:
                 server.stop()
         rows += [{"model": shape.name, "params": params, "rank": shape.rank, "mode": mode, "seconds": seconds,
@@ -247,9 +291,9 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     x = [modes["adapter"]["params"] if by_size else rank for (_, rank), modes in points]
     fig, (ax_seconds, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.8))
     styles = {"adapter": ("C0", "-", "o"), "adapter_publish": ("C0", ":", "."), "raw_write": ("C0", "--", "x"),
-              "merged": ("C1", "-", "s"), "merged_raw_write": ("C1", "--", "x")}
+              "merged": ("C1", "-", "s"), "merged_engine_tail": ("C1", ":", "."), "merged_raw_write": ("C1", "--", "x")}
     labels = {"raw_write": "raw write (adapter floor)", "merged_raw_write": "raw write (merged floor)",
-              "adapter_publish": "adapter publish only"}
+              "adapter_publish": "adapter publish only", "merged_engine_tail": "vLLM busy after merged returned"}
     for mode, (color, linestyle, marker) in styles.items():
         ax_seconds.plot(x, [modes[mode]["seconds"] for _, modes in points], color=color, linestyle=linestyle,
                         marker=marker, label=labels.get(mode, f"{mode} sync"))

