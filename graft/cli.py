@@ -52,6 +52,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
                                  repeats=args.repeats, cycles=args.cycles)
         print_merge_report(result)
+    elif args.which == "sync" and args.sweep:
+        from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
+
+        result = run_sync_sweep(args.sweep, repeats=min(args.repeats, 3))
+        print_sweep_report(result)
+        result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))
+        print(f"plot: {result['plot']}")
     elif args.which == "sync":
         from graft.bench.sync import SHAPES, print_sync_report, run_sync_bench
 
@@ -209,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "learning: graft's steps (default 150)")
     p.add_argument("--plot-dir", default="runs/bench", help="where plots are written (default runs/bench)")
     p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
+    p.add_argument("--sweep", choices=["size", "rank"],
+                   help="sync: cost growth instead, adapter vs merged with their raw-write floors, over 4 model "
+                        "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "
+                        "writes PLOT_DIR/sync-SWEEP.png")
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 

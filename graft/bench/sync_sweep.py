@@ -5,12 +5,9 @@ floor. Every point measures these modes, interleaved within each round (medians 
 warm-up round), each starting on a flushed disk and an idle engine (untimed, see `_settle`):
 - adapter: AdapterSync, publish + load into vLLM (+ unload of the version leaving the window);
 - adapter_publish: its publish part alone (files, fsync, hashes, manifest);
-- adapter_engine_tail: seconds vLLM keeps working (CPU) after the adapter sync returned;
 - raw_write: adapter's floor: gather the adapter tensors, `safetensors.save_file`, fsync;
 - merged: WeightsSync(kind="merged"), publish base + LoRA merged (fp32 math) + reload the server's weights;
 - merged_publish: its publish part alone;
-- merged_engine_tail: seconds vLLM keeps working after the merged sync returned (not in `merged`, but the
-  next rollout or trainer step pays it on a shared CPU);
 - merged_raw_write: merged's floor: the same weight bytes (the base's, same names, shapes and dtype as the
   merged ones) written with `safetensors.save_file` + fsync; the merge itself is not timed.
 
@@ -76,8 +73,7 @@ SWEEPS: dict[str, list[list[ModelShape]]] = {
     "size": [[shape] for shape in SIZE_SHAPES],
     "rank": [[replace(QWEN05, rank=rank) for rank in RANKS]],
 }
-MODES = ("adapter", "adapter_publish", "adapter_engine_tail", "raw_write",
-         "merged", "merged_publish", "merged_engine_tail", "merged_raw_write")
+MODES = ("adapter", "adapter_publish", "raw_write", "merged", "merged_publish", "merged_raw_write")
 FLOORS = {mode: "raw_write" if mode.startswith(("adapter", "raw")) else "merged_raw_write" for mode in MODES}
 
 
@@ -112,25 +108,25 @@ def _group_cpu_seconds(pgid: int) -> float:
     return total_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0.2, timeout_s: float = 120.0
-                      ) -> float:
-    """Block until the engine's processes use under `busy_fraction` of a core over `window_s`. Returns the
-    seconds waited (the engine's tail of work after a sync call returned; resolution `window_s`)."""
-    start = time.perf_counter()
+def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0.2, timeout_s: float = 10.0) -> None:
+    """Block until the engine's processes use under `busy_fraction` of a core over `window_s` (or `timeout_s`
+    passes: a busy engine slows the measurement but must not hang it)."""
+    deadline = time.perf_counter() + timeout_s
     before = _group_cpu_seconds(pgid)
-    while time.perf_counter() - start < timeout_s:
+    while time.perf_counter() < deadline:
         time.sleep(window_s)
         now = _group_cpu_seconds(pgid)
         if now - before < busy_fraction * window_s:
-            return time.perf_counter() - start - window_s
+            return
         before = now
-    return time.perf_counter() - start
 
 
 def _settle(pgid: int) -> None:
     """Untimed, before each mode: flush the disk and wait for the engine to go idle, so a mode does not pay
-    for the previous one's writeback or engine work. Measured without it (58M model): a 4 MiB raw write
-    took 0.6-0.9 s right after a merged sync (vLLM still busy ~0.7 s of CPU), 0.04 s once vLLM was idle."""
+    for the previous one's writeback or for the engine's spin. After every call (adapter load, weight reload)
+    vLLM's worker busy-polls its shared-memory queue for 1 s (`shm_broadcast.SpinCondition`, busy_loop_s=1;
+    ~0.97 s of one core, seen on the 6M model too); on 2 cores that made a 4 MiB raw write right after a
+    merged sync take 0.6-0.9 s instead of 0.04 s (58M model)."""
     os.sync()
     _wait_engine_idle(pgid)
 
@@ -157,10 +153,8 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
                             param.normal_(std=0.01)
                     _settle(pgid)
                     adapter = await adapter_sync.sync(policy, version, version)
-                    adapter_tail = _wait_engine_idle(pgid)
                     _settle(pgid)
                     merged = await merged_sync.sync(policy, version, version)
-                    merged_tail = _wait_engine_idle(pgid)
                     raw_path.unlink(missing_ok=True)
                     merged_raw_path.unlink(missing_ok=True)
                     _settle(pgid)
@@ -169,11 +163,9 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
                     merged_raw_write = merged_raw_write_seconds(plain, merged_raw_path)
                     measured = {"adapter": (adapter.seconds, adapter.bytes),
                                 "adapter_publish": (adapter.publish_seconds, adapter.bytes),
-                                "adapter_engine_tail": (adapter_tail, adapter.bytes),
                                 "raw_write": raw_write,
                                 "merged": (merged.seconds, merged.bytes),
                                 "merged_publish": (merged.publish_seconds, merged.bytes),
-                                "merged_engine_tail": (merged_tail, merged.bytes),
                                 "merged_raw_write": merged_raw_write}
                     if round_index > 0:
                         for mode, sample in measured.items():
@@ -291,9 +283,9 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     x = [modes["adapter"]["params"] if by_size else rank for (_, rank), modes in points]
     fig, (ax_seconds, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.8))
     styles = {"adapter": ("C0", "-", "o"), "adapter_publish": ("C0", ":", "."), "raw_write": ("C0", "--", "x"),
-              "merged": ("C1", "-", "s"), "merged_engine_tail": ("C1", ":", "."), "merged_raw_write": ("C1", "--", "x")}
+              "merged": ("C1", "-", "s"), "merged_raw_write": ("C1", "--", "x")}
     labels = {"raw_write": "raw write (adapter floor)", "merged_raw_write": "raw write (merged floor)",
-              "adapter_publish": "adapter publish only", "merged_engine_tail": "vLLM busy after merged returned"}
+              "adapter_publish": "adapter publish only"}
     for mode, (color, linestyle, marker) in styles.items():
         ax_seconds.plot(x, [modes[mode]["seconds"] for _, modes in points], color=color, linestyle=linestyle,
                         marker=marker, label=labels.get(mode, f"{mode} sync"))
@@ -315,6 +307,7 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
                  f"medians of {result['repeats']} rounds)")
     fig.tight_layout()
     path = Path(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

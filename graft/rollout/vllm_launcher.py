@@ -29,7 +29,8 @@ from pathlib import Path
 from graft.config import VLLM_LORA_RANKS
 
 DTYPES = ("auto", "bfloat16", "float32")
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
+SERVER_MODULE = "graft.rollout.vllm_entry"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 
