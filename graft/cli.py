@@ -65,10 +65,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
         print_sync_report(result)
     elif args.which == "e2e":
-        from graft.bench.e2e import print_e2e_report, run_e2e_bench
+        from graft.bench.e2e import MODELS, print_e2e_report, run_e2e_bench
 
-        result = run_e2e_bench(repeats=min(args.repeats, 5), steps=args.steps or 6, hidden=args.hidden or 128,
-                               layers=args.layers or 2)
+        models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
+        result = run_e2e_bench(models, repeats=min(args.repeats, 3), steps=args.steps or 6)
         print_e2e_report(result)
     elif args.which == "learning":
         from graft.bench.learning import print_learning_report, run_learning_bench
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model.")
     p.add_argument("which", choices=["merge", "rollout", "sync", "e2e", "learning"], help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256, e2e 128)")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e: one model instead of h128 l2 and h512 l8)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")

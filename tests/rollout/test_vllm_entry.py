@@ -3,25 +3,13 @@ quiet within ~50 ms instead of spinning a core for 1 s, and no request waits for
 missed-wake-up recheck."""
 
 import asyncio
-import os
 import time
 
 import pytest
 
+from graft.bench.sync_sweep import group_cpu_seconds
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
-
-
-def _group_cpu_seconds(pgid: int) -> float:
-    total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # pgrp
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    return total
 
 
 async def _timed_requests(url: str, n: int) -> list[float]:
@@ -40,7 +28,7 @@ async def _timed_requests(url: str, n: int) -> list[float]:
 def test_engine_is_idle_right_after_a_request_and_never_waits_for_the_recheck(vllm_server):
     seconds = asyncio.run(_timed_requests(vllm_server.url, 11))[1:]  # the first may warm up for seconds
     assert max(seconds) < 1.0, seconds  # a missed wake-up would wait for vLLM's 5 s recheck
-    before = _group_cpu_seconds(vllm_server.pid)
+    before = group_cpu_seconds(vllm_server.pid)
     time.sleep(1.0)
     # vLLM's default spins a reader for 1 s after the last request: ~1 CPU-second here.
-    assert _group_cpu_seconds(vllm_server.pid) - before < 0.3
+    assert group_cpu_seconds(vllm_server.pid) - before < 0.3

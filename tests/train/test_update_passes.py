@@ -1,0 +1,46 @@
+"""The update runs only the forward passes it needs: one per micro-batch for a single optimizer step
+without KL (the loss's forward is also the old policy), plus a reference pass when the KL is in the
+loss, plus an old-policy pass when several optimizer steps need it. The loss is the same either way."""
+
+import pytest
+import torch
+
+from graft.config import load_config
+from graft.lora.attach import lora_parameters
+from graft.train.update import policy_update
+from tests.helpers import trained_like_peft_model
+from tests.train.test_distributed import _batch
+
+
+def _forwards_and_metrics(model_dir, overrides: list[str]) -> tuple[int, dict]:
+    config = load_config(None, ["train.lr=1e-2", *overrides])
+    model = trained_like_peft_model(model_dir)
+    optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=config.train.lr)
+    calls = []
+    handle = model.get_base_model().model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        metrics = policy_update(model, optimizer, _batch(4, 3), config.train, pad_id=0)
+    finally:
+        handle.remove()
+    return len(calls), metrics
+
+
+@pytest.mark.parametrize(("overrides", "forwards"), [
+    ([], 1),                                             # one step, no KL: the loss's own forward only
+    (["train.kl_coef=0.05"], 2),                         # + the reference (adapter disabled)
+    (["train.mini_batches=2"], 1 + 2),                   # + old policy once; one forward per mini-batch
+    (["train.micro_batch_size=4"], 3),                   # 12 rows in micro-batches of 4
+])
+def test_update_runs_only_the_forward_passes_it_needs(base_dir, overrides, forwards):
+    calls, metrics = _forwards_and_metrics(base_dir, overrides)
+    assert calls == forwards
+    assert (metrics["kl"] is None) == ("train.kl_coef=0.05" not in overrides)
+
+
+def test_single_step_measures_the_engine_gap_from_the_loss_forward(base_dir):
+    """The |engine - trainer| gap is taken before any optimizer step either way."""
+    _, single = _forwards_and_metrics(base_dir, [])
+    _, with_old_pass = _forwards_and_metrics(base_dir, ["train.mini_batches=2"])
+    assert single["logprob_abs_diff_max"] == pytest.approx(with_old_pass["logprob_abs_diff_max"], abs=1e-6)
+    assert single["logprob_abs_diff_max"] > 0
+    assert single["ratio_mean"] == pytest.approx(1.0) and single["clip_fraction"] == 0.0
