@@ -6,7 +6,7 @@ Shape suffixes: `_P` prompts, `_G` samples of one prompt (the GRPO group).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,11 +34,18 @@ class RolloutBatch:
 async def collect_rollouts(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
                            examples: list[Example], tokenizer, params: SamplingParams,
                            reward_fn: RewardFn) -> RolloutBatch:
-    """Sample `params.n` completions per example with policy `version` and score them."""
+    """Sample `params.n` completions per example with policy `version` and score them.
+
+    With a seed, prompt p's samples use seeds `seed + p * n ...`: engines seed sample g of a request
+    with `seed + g`, so one seed for every prompt would draw every prompt's g-th sample from the same
+    random numbers, and the batch's samples would err (or not) together."""
     start = time.perf_counter()
     prompts_P = [render_prompt_ids(tokenizer, ex) for ex in examples]
+    requests = [GenerateRequest(tuple(prompt), params if params.seed is None else
+                                replace(params, seed=params.seed + p * params.n))
+                for p, prompt in enumerate(prompts_P)]
     async with inflight.use(version):  # the sync never unloads a version a request still uses
-        completions_P = await engine.generate([GenerateRequest(tuple(p), params) for p in prompts_P], adapter=adapter)
+        completions_P = await engine.generate(requests, adapter=adapter)
     sequences, logprobs, rewards_PG = [], [], []
     for prompt, example, completions in zip(prompts_P, examples, completions_P):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]

@@ -68,8 +68,10 @@ def step_examples(train_set: list[Example], step: int, batch_prompts: int, seed:
     return out
 
 
-def sampling_seed(seed: int, step: int) -> int:
-    return seed * 1_000_003 + step * 1009
+def sampling_seed(seed: int, step: int, samples_per_step: int) -> int:
+    """The first of step `step`'s `samples_per_step` consecutive seeds (one per sample, see
+    `collect_rollouts`); no two (seed, step) pairs share one."""
+    return (seed * 1_000_003 + step) * samples_per_step
 
 
 def _learning_rate(config: GraftConfig, step: int) -> float:
@@ -199,7 +201,8 @@ class _Run:
             examples = step_examples(self.train_set, step, config.train.batch_prompts, config.train.seed)
             params = SamplingParams(n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p,
                                     max_new_tokens=rollout.max_new_tokens,
-                                    seed=sampling_seed(config.train.seed, step))
+                                    seed=sampling_seed(config.train.seed, step,
+                                                       config.train.batch_prompts * rollout.n_samples))
             adapter = adapter_name(config.lora.name, version) if sync.mode == "adapter" else None
             return await collect_rollouts(engine, adapter=adapter, version=version, inflight=sync.inflight,
                                           examples=examples, tokenizer=self.tokenizer, params=params,
