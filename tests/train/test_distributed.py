@@ -83,8 +83,10 @@ def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, 
             assert sharded[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     assert all(m["grad_norm"] > 0 for m in single_metrics)
     sharded_weights = safetensors.torch.load_file(tmp_path / "lora.safetensors")
+    # 12 AdamW steps of lr 1e-2: an all-reduce sums in another order, and Adam divides by sqrt(v), so an
+    # element whose gradient is near zero may move ~1e-6 apart; a real sharding bug moves it by ~lr.
     for name, weight in single_weights.items():
-        torch.testing.assert_close(sharded_weights[name], weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sharded_weights[name], weight, rtol=1e-5, atol=1e-5)
 
 
 def _graft_train(run_dir, overrides, nproc: int) -> list[dict]:
