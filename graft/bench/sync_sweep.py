@@ -44,7 +44,7 @@ from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, group_cpu_seconds
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import WeightsSync
@@ -90,22 +90,6 @@ def _lora_view(model: nn.Module, rank: int) -> peft.PeftModel:
     rank, and five copies of the 0.5B base would cost 5 GB. The memo makes deepcopy reuse every parameter."""
     shared = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
     return attach_lora(shared, rank=rank, alpha=2 * rank, seed=0)
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
-    total_ticks = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # the process exited while we looked
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ..., utime (11), stime (12)
-        if int(fields[2]) == pgid:
-            total_ticks += int(fields[11]) + int(fields[12])
-    return total_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_engine_idle(pgid: int, window_s: float = 0.1, busy_fraction: float = 0.2, timeout_s: float = 10.0) -> None:

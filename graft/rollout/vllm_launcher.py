@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +101,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def group_stats(pgid: int) -> Iterator[list[str]]:
+    """The /proc/<pid>/stat fields after the command name (state, ppid, pgrp, ..., utime at 11,
+    stime at 12) of every process now in process group `pgid`."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # the process exited while we looked
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid:
+            yield fields
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
+    total_ticks = sum(int(fields[11]) + int(fields[12]) for fields in group_stats(pgid))
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def group_alive(pgid: int) -> bool:
     """True while a live (non-zombie) process is in process group `pgid`.
 
@@ -112,18 +134,7 @@ def group_alive(pgid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # the process exited while we looked
-            continue
-        # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            return True
-    return False
+    return any(fields[0] != "Z" for fields in group_stats(pgid))
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from graft.bench.sync_sweep import group_cpu_seconds
+from graft.rollout.vllm_launcher import group_cpu_seconds
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
 
