@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from graft.rollout.vllm_launcher import group_cpu_seconds
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm_launcher import group_cpu_seconds
 
 
 async def _timed_requests(url: str, n: int) -> list[float]:
