@@ -106,7 +106,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from graft.atomic import atomic_write_text
     from graft.config import load_config
-    from graft.train.evaluation import run_eval
+    from graft.evaluation import run_eval
 
     config = load_config(args.config, args.override)
     result = asyncio.run(run_eval(config, Path(args.run_dir), args.adapter))
@@ -146,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
-    from graft.quickstart import run_quickstart
+    from graft.quickstart.run import run_quickstart
 
     run_quickstart(Path(args.run_dir), seed=args.seed, steps=args.steps,
                    cache_dir=Path(args.cache_dir) if args.cache_dir else None)

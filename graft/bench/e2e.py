@@ -108,7 +108,7 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
     """Seconds per step of graft and TRL for each (hidden, layers) model and workload, interleaved
     A B A B over `repeats`."""
-    from graft.quickstart import default_cache_dir
+    from graft.quickstart.base import default_cache_dir
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console)

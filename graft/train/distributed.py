@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graft.train.rollout import RolloutBatch
+from graft.train.rollout_batch import RolloutBatch
 
 # Rank 0 may wait for a slow rollout or sync while the others block in a collective.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)

@@ -41,10 +41,10 @@ from graft.train.distributed import (
     shard_model,
     shutdown_distributed,
 )
-from graft.train.evaluation import evaluate
+from graft.evaluation import evaluate
 from graft.train.metrics import MetricsLog
-from graft.train.producer import RolloutProducer
-from graft.train.rollout import RolloutBatch, collect_rollouts
+from graft.train.staleness import RolloutProducer
+from graft.train.rollout_batch import RolloutBatch, build_rollout_batch
 from graft.train.update import policy_update
 
 
@@ -70,7 +70,7 @@ def step_examples(train_set: list[Example], step: int, batch_prompts: int, seed:
 
 def sampling_seed(seed: int, step: int, samples_per_step: int) -> int:
     """The first of step `step`'s `samples_per_step` consecutive seeds (one per sample, see
-    `collect_rollouts`); no two (seed, step) pairs share one."""
+    `build_rollout_batch`); no two (seed, step) pairs share one."""
     return (seed * 1_000_003 + step) * samples_per_step
 
 
@@ -204,7 +204,7 @@ class _Run:
                                     seed=sampling_seed(config.train.seed, step,
                                                        config.train.batch_prompts * rollout.n_samples))
             adapter = adapter_name(config.lora.name, version) if sync.mode == "adapter" else None
-            return await collect_rollouts(engine, adapter=adapter, version=version, inflight=sync.inflight,
+            return await build_rollout_batch(engine, adapter=adapter, version=version, inflight=sync.inflight,
                                           examples=examples, tokenizer=self.tokenizer, params=params,
                                           reward_fn=self.reward_fn)
         return make_batch

@@ -23,7 +23,7 @@ from graft.rl.advantages import group_advantages
 from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, token_entropy, token_logprobs, truncated_importance_weights
 from graft.rl.packing import next_token_targets, pad
 from graft.train.distributed import Dist, full_tensor
-from graft.train.rollout import RolloutBatch
+from graft.train.rollout_batch import RolloutBatch
 
 # Token-weighted statistics, summed over micro-batches and ranks, then divided by the token count.
 _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean")

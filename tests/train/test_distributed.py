@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.train.distributed import Dist, broadcast_batch, full_tensor, shard_model
-from graft.train.rollout import RolloutBatch
+from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import trained_like_peft_model
 

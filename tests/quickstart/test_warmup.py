@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from graft.models.sft import (
+from graft.quickstart.warmup import (
     IGNORE_INDEX,
     LOSS_WINDOW,
     collate_sft,

@@ -31,7 +31,7 @@ class RolloutBatch:
         return sum(len(c) for _, c in self.sequences)
 
 
-async def collect_rollouts(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
+async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
                            examples: list[Example], tokenizer, params: SamplingParams,
                            reward_fn: RewardFn) -> RolloutBatch:
     """Sample `params.n` completions per example with policy `version` and score them.

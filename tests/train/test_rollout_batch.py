@@ -9,7 +9,7 @@ from graft.rollout.reference import ReferenceEngine
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.examples import Example
 from graft.tasks.rewards import exact_numeric
-from graft.train.rollout import collect_rollouts
+from graft.train.rollout_batch import build_rollout_batch
 from graft.train.trainer import sampling_seed
 
 
@@ -17,7 +17,7 @@ def _completions(base_dir, seed: int) -> list[list[int]]:
     engine = ReferenceEngine(base_dir)
     example = Example(prompt="What is 2 + 3?", answer="5")
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=seed, ignore_eos=True)
-    batch = asyncio.run(collect_rollouts(engine, adapter=None, version=0, inflight=InFlightVersions(),
+    batch = asyncio.run(build_rollout_batch(engine, adapter=None, version=0, inflight=InFlightVersions(),
                                          examples=[example, example], tokenizer=load_tokenizer(base_dir),
                                          params=params, reward_fn=exact_numeric))
     return [completion for _, completion in batch.sequences]

@@ -4,10 +4,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from graft import quickstart
+from graft.quickstart import base as quickstart
 from graft.config import load_config
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).parents[2]
 
 
 def test_quickstart_runs_what_configs_quickstart_yaml_says(tmp_path):

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from graft.train.rollout import RolloutBatch
+from graft.train.rollout_batch import RolloutBatch
 
 # make_batch(step, version) -> the batch for `step`, sampled from policy `version`.
 BatchMaker = Callable[[int, int], Awaitable[RolloutBatch]]

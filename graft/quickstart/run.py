@@ -1,7 +1,7 @@
 """`graft quickstart`: the README's main job — LoRA GRPO on a real vLLM server, end to end.
 
 1. A small base model that knows a little arithmetic: a tiny Qwen2 fine-tuned briefly on the
-   built-in task (`graft.models.sft`), built once and cached by its arguments.
+   built-in task (`graft.quickstart.warmup`), built once and cached by its arguments.
 2. A vLLM server launched by graft, serving that base with runtime LoRA loading.
 3. `graft train` with `configs/quickstart.yaml`'s settings: every step publishes the adapter as
    `graft-v<N>`, loads it, verifies it, and unloads versions outside the retention window.
@@ -11,9 +11,7 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,54 +19,15 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.atomic import atomic_write_text
-from graft.config import GraftConfig, load_config
-from graft.models.sft import sft_base_model
+from graft.config import GraftConfig
+from graft.quickstart.base import cached_base_model, default_cache_dir, quickstart_config
 from graft.rollout.engine import EngineUnavailableError
 from graft.train.checkpoint import latest_checkpoint
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 
-# The supervised warm-up of the base model (see graft.models.sft for why it stops at a loss).
-SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "target_loss": 0.45}
-
+# New vLLM servers started (and runs resumed) when the one under the run dies.
 ENGINE_RESTARTS = 2
-
-# configs/quickstart.yaml holds the same settings (a test keeps them equal); model.path is the base.
-QUICKSTART_SETTINGS = [
-    "model.dtype=float32",
-    "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
-    "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
-    "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=1",
-    "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.steps=300", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
-    "train.tis_cap=2.0",
-    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=25",
-    "data.task=arithmetic", "data.reward=exact_numeric",
-]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GRAFT_CACHE", Path.home() / ".cache" / "graft"))
-
-
-def cached_base_model(seed: int, cache_dir: Path, console: Console) -> tuple[Path, bool]:
-    """The warm-up base model for `seed`, built on first use; (its directory, whether it was built now)."""
-    args = {**SFT_ARGS, "seed": seed}
-    key = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_dir / f"quickstart-base-{key}"
-    if (path / "sft.json").is_file():
-        return path, False
-    console.print(f"building the base model (supervised warm-up on arithmetic, ~1 min; cached at {path})")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    sft_base_model(path, **args)
-    return path, True
-
-
-def quickstart_config(base_dir: Path, seed: int, steps: int | None = None) -> GraftConfig:
-    overrides = [*QUICKSTART_SETTINGS, f"model.path={base_dir}", f"train.seed={seed}"]
-    if steps is not None:
-        overrides.append(f"train.steps={steps}")
-    return load_config(None, overrides)
 
 
 def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, cache_dir: Path | None = None) -> dict:
