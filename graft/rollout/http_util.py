@@ -7,6 +7,10 @@ import json
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
+import httpx
+
+from graft.rollout.engine import BadRequestError, EngineError, EngineUnavailableError
+
 
 def server_message(text: str) -> str:
     """The server's own words from an error body, whichever shape it has: `{"error": {"message"}}`
@@ -39,3 +43,39 @@ async def gather_cancel_on_error(coros: Iterable[Awaitable[Any]]) -> list[Any]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str, retries: int, backoff_s: float,
+               timeout_s: float, **kwargs: Any) -> httpx.Response:
+    """One HTTP request with the engine clients' retry policy; the response whatever its status.
+
+    Only a failure to *connect* (refused, reset or timed out while connecting) is retried, `retries`
+    times with exponential backoff from `backoff_s`: the request never reached the server, so a
+    retry is safe even for calls that are not idempotent (an adapter load). A timeout or a
+    connection lost after sending may mean the server did the work (or is wedged), so it is raised
+    at once as `EngineUnavailableError`.
+    """
+    for attempt in range(retries + 1):
+        try:
+            return await http.request(method, path, timeout=timeout_s, **kwargs)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            if attempt == retries:
+                raise EngineUnavailableError(f"{method} {path}: cannot connect after {attempt + 1} attempt(s): "
+                                             f"{error!r}", address=address) from error
+        except httpx.TimeoutException as error:
+            raise EngineUnavailableError(f"{method} {path}: no answer within {timeout_s:g} s ({error!r})",
+                                         address=address) from error
+        except httpx.TransportError as error:  # e.g. the server died mid-request
+            raise EngineUnavailableError(f"{method} {path}: {error!r}", address=address) from error
+        await asyncio.sleep(backoff_s * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def error_class_for_status(status: int) -> type[EngineError]:
+    """The typed error of an HTTP error status when the server's words name no adapter problem:
+    the server refused this request (4xx) or cannot serve now (5xx; 429 too: it is transient)."""
+    if status >= 500 or status == 429:
+        return EngineUnavailableError
+    if 400 <= status < 500:
+        return BadRequestError
+    return EngineError

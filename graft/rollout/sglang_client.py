@@ -53,11 +53,10 @@ from graft.rollout.engine import (
     Completion,
     EngineError,
     EngineHealth,
-    EngineUnavailableError,
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import gather_cancel_on_error, server_message
+from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
 
 _FINISH_REASONS = ("stop", "length")
 # Substrings of SGLang's own messages (see the module docstring for where each comes from).
@@ -121,12 +120,8 @@ def error_for(status: int, words: str, *, address: str, route: str) -> EngineErr
         cls: type[EngineError] = AdapterAlreadyLoadedError
     elif any(s in lowered for s in _NOT_LOADED):
         cls = UnknownAdapterError
-    elif status >= 500 or status == 429:
-        cls = EngineUnavailableError
-    elif 400 <= status < 500:
-        cls = BadRequestError
     else:
-        cls = EngineError
+        cls = error_class_for_status(status)
     return cls(f"{route} -> HTTP {status}: {words or '(empty body)'}", address=address, status=status)
 
 
@@ -331,18 +326,5 @@ class SglangClient:
     async def _send(self, method: str, route: str, payload: dict[str, Any] | None, timeout_s: float,
                     retries: int) -> httpx.Response:
         http, _ = self._ensure_loop_state()
-        attempt = 0
-        while True:
-            try:
-                return await http.request(method, route, json=payload, timeout=timeout_s)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == retries:
-                    raise EngineUnavailableError(f"{method} {route}: cannot connect after {retries + 1} "
-                                                 f"attempt(s): {exc!r}", address=self.address) from exc
-            except httpx.TimeoutException as exc:
-                raise EngineUnavailableError(f"{method} {route}: no answer within {timeout_s:g} s ({exc!r})",
-                                             address=self.address) from exc
-            except httpx.TransportError as exc:
-                raise EngineUnavailableError(f"{method} {route}: {exc!r}", address=self.address) from exc
-            await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
-            attempt += 1
+        return await send(http, method, route, address=self.address, retries=retries, backoff_s=_RETRY_BASE_S,
+                          timeout_s=timeout_s, json=payload)

@@ -10,11 +10,9 @@ Log-probs: vLLM reports the sampled token's log-prob under its *raw* distributio
 (`logprobs_mode="raw_logprobs"`, before temperature and top-p), which is the policy's log-prob
 when temperature == top_p == 1.
 
-Retry policy: only `httpx.ConnectError` (refused, reset or unreachable while connecting) is
-retried, `connect_retries` times with exponential backoff: the request never reached the server,
-so a retry is safe even for non-idempotent calls (load_adapter). A timeout, or a connection lost
-after sending, may mean the server did the work (or is wedged), so it is raised at once, as is
-every HTTP error status.
+Retry policy (`graft.rollout.http_util.send`, shared with the SGLang client): only a failure to
+connect is retried, `connect_retries` times with exponential backoff; a timeout, a connection lost
+after sending and every HTTP error status are raised at once.
 """
 
 from __future__ import annotations
@@ -30,11 +28,10 @@ from graft.rollout.engine import (
     Completion,
     EngineError,
     EngineHealth,
-    EngineUnavailableError,
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import gather_cancel_on_error, server_message
+from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
 
 
 def error_for(status: int, message: str, address: str) -> EngineError:
@@ -43,10 +40,8 @@ def error_for(status: int, message: str, address: str) -> EngineError:
         cls = UnknownAdapterError
     elif status == 400 and "already been loaded" in message:
         cls = AdapterAlreadyLoadedError
-    elif 400 <= status < 500:
-        cls = BadRequestError  # includes 404 "No adapter found for <path>" (a bad load path)
-    else:
-        cls = EngineUnavailableError
+    else:  # includes 404 "No adapter found for <path>" (a bad load path): BadRequestError
+        cls = error_class_for_status(status)
     return cls(message, address=address, status=status)
 
 
@@ -143,21 +138,9 @@ class VllmClient:
 
     async def _call(self, method: str, path: str, *, retries: int | None = None, **kwargs) -> httpx.Response:
         """One HTTP call; a 2xx response, or a typed `EngineError`."""
-        retries = self._connect_retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                response = await self._http.request(method, path, **kwargs)
-                break
-            except httpx.ConnectError as error:
-                if attempt == retries:
-                    raise EngineUnavailableError(f"{method} {path}: cannot connect after {attempt + 1} "
-                                                 f"attempt(s): {error!r}", address=self.address) from error
-                await asyncio.sleep(self._retry_backoff_s * 2**attempt)
-            except httpx.TimeoutException as error:
-                raise EngineUnavailableError(f"{method} {path}: no answer within {self._timeout_s:g} s ({error!r})",
-                                             address=self.address) from error
-            except httpx.TransportError as error:  # e.g. the server died mid-request
-                raise EngineUnavailableError(f"{method} {path}: {error!r}", address=self.address) from error
+        response = await send(self._http, method, path, address=self.address, timeout_s=self._timeout_s,
+                              retries=self._connect_retries if retries is None else retries,
+                              backoff_s=self._retry_backoff_s, **kwargs)
         if response.status_code >= 400:
             raise error_for(response.status_code, server_message(response.text), self.address)
         return response
