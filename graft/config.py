@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -34,7 +35,23 @@ _ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class ConfigError(ValueError):
-    """A user mistake in the config; the message names the dotted key(s) at fault."""
+    """A user mistake in the config; the message names the dotted key(s) at fault.
+
+    `keys`: the dotted keys a cross-field check blames, so the message can also say where their
+    values came from (an override or the file).
+    """
+
+    def __init__(self, message: str, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def is_loopback_url(url: str) -> bool:
+    """True when `url`'s host is this machine's loopback (a server graft may treat as local)."""
+    return urlsplit(url).hostname in LOOPBACK_HOSTS
 
 
 class _Section(BaseModel):
@@ -124,8 +141,11 @@ class RolloutConfig(_Section):
 
 
 class SyncConfig(_Section):
-    mode: Literal["adapter", "merged", "full", "auto"] = Field(
-        "adapter", description="What is pushed to the engine: the LoRA adapter, merged weights, or full weights."
+    mode: Literal["adapter", "merged"] = Field(
+        "adapter", description="What is pushed to the engine after each step: 'adapter' = the LoRA adapter, loaded "
+        "as '<lora.name>-v<N>' (any engine, local or remote); 'merged' = base + LoRA merged in fp32 into new "
+        "weights that the engine reloads (serves at base speed; remote engines need a shared sync.dir). "
+        "The modes are registered in graft.sync.modes."
     )
     dir: str | None = Field(None, description="Directory for pushed weight versions; null = RUN_DIR/weights.")
     keep_versions: Literal["auto"] | int = Field(
@@ -137,6 +157,17 @@ class SyncConfig(_Section):
         "null = by model.dtype (float32: 1e-3, bfloat16/float16: 0.1).")
     verify_action: Literal["error", "warn"] = Field(
         "error", description="What a failed delivery check does: stop the run (error) or log a warning.")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _check_mode(cls, v: Any) -> Any:
+        if v == "full":
+            raise ValueError("'full' would publish fully fine-tuned weights, but graft trains a LoRA adapter on a "
+                             "frozen base: use 'adapter' or 'merged'")
+        if v == "auto":
+            raise ValueError("'auto' (choosing by measured sync cost) is not offered yet: use 'adapter' "
+                             "(works with every engine) or 'merged' (serves at base speed)")
+        return v
 
     @field_validator("keep_versions", mode="before")
     @classmethod
@@ -207,10 +238,10 @@ class DataConfig(_Section):
         if self.task is not None and self.path is not None:
             raise ConfigError(
                 f"data.task ({self.task!r}) and data.path ({self.path!r}) are both set: "
-                "set data.task to null to train on the file"
+                "set data.task to null to train on the file", keys=("data.task", "data.path"),
             )
         if self.task is None and self.path is None:
-            raise ConfigError("data.task and data.path are both null: set one of them")
+            raise ConfigError("data.task and data.path are both null: set one of them", keys=("data.task", "data.path"))
         return self
 
 
@@ -232,14 +263,44 @@ class GraftConfig(_Section):
     dist: DistConfig = Field(default_factory=DistConfig, description="Distributed training.")
 
     @model_validator(mode="after")
+    def _check_engine_reachable(self) -> "GraftConfig":
+        """An engine graft can reach: a server at `rollout.urls`, one it launches, or in-process."""
+        rollout = self.rollout
+        if rollout.engine == "reference" and rollout.urls:
+            raise ConfigError("rollout.urls is set but rollout.engine is 'reference' (in-process, no server)",
+                              keys=("rollout.urls", "rollout.engine"))
+        if rollout.engine == "sglang" and not rollout.urls:
+            raise ConfigError("rollout.engine 'sglang' needs rollout.urls: graft connects to SGLang servers, "
+                              "it does not launch them", keys=("rollout.engine", "rollout.urls"))
+        if rollout.engine == "vllm" and not rollout.urls and not rollout.launch:
+            raise ConfigError("rollout.urls is empty and rollout.launch is false: no vLLM server to talk to",
+                              keys=("rollout.urls", "rollout.launch"))
+        return self
+
+    @model_validator(mode="after")
+    def _check_sync_reaches_engine(self) -> "GraftConfig":
+        """Merged weights are read by the engine from disk: a remote engine needs a shared sync.dir."""
+        if self.sync.mode != "merged" or self.sync.dir is not None:
+            return self
+        remote = [u for u in self.rollout.urls if not is_loopback_url(u)]
+        if remote:
+            raise ConfigError(f"sync.mode 'merged' makes the engine reload weights from RUN_DIR/weights, which the "
+                              f"remote engine(s) {', '.join(remote)} cannot read: set sync.dir to a directory they "
+                              "share at the same path, or use sync.mode 'adapter'",
+                              keys=("sync.mode", "rollout.urls", "sync.dir"))
+        return self
+
+    @model_validator(mode="after")
     def _check_engine_can_serve(self) -> "GraftConfig":
-        if self.sync.mode not in ("adapter", "auto"):
-            return self  # merged/full pushes base-shaped weights; the server's LoRA limits do not apply
+        """Adapter sync loads each version into the server: its LoRA limits apply."""
+        if self.sync.mode != "adapter":
+            return self  # merged pushes base-shaped weights; the server's LoRA limits do not apply
         if self.lora.rank > self.rollout.max_lora_rank:
             raise ConfigError(
                 f"lora.rank ({self.lora.rank}) exceeds rollout.max_lora_rank ({self.rollout.max_lora_rank}): "
                 f"the server would reject the adapter with sync.mode={self.sync.mode!r}; "
-                "raise rollout.max_lora_rank or use sync.mode=merged"
+                "raise rollout.max_lora_rank or use sync.mode=merged",
+                keys=("lora.rank", "rollout.max_lora_rank"),
             )
         keep = self.sync.resolved_keep_versions(self.rollout.max_staleness)
         if keep != 0 and keep > self.rollout.max_loras:
@@ -249,9 +310,20 @@ class GraftConfig(_Section):
             raise ConfigError(
                 f"sync.keep_versions ({shown}) exceeds rollout.max_loras ({self.rollout.max_loras}): "
                 "each kept version holds an adapter slot on the server; raise rollout.max_loras "
-                "or lower sync.keep_versions"
+                "or lower sync.keep_versions",
+                keys=("sync.keep_versions", "rollout.max_staleness", "rollout.max_loras"),
             )
         return self
+
+    def require_model_path(self, purpose: str) -> str:
+        """`model.path`, which every run needs but `graft config` may leave unset.
+
+        Raises:
+            ConfigError: model.path is null.
+        """
+        if self.model.path is None:
+            raise ConfigError(f"model.path is required to {purpose}: set it in the config or with -o model.path=DIR")
+        return self.model.path
 
 
 def _dotted(loc: Sequence[str | int]) -> str:
@@ -274,14 +346,25 @@ def _format_errors(e: ValidationError, file: str | None, overrides: Sequence[str
         else:
             got = repr(err["input"])
             line = f"{key}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})"
-        if not isinstance(cause, ConfigError):  # say where the bad value came from; last override wins
-            origin = next((o for o in reversed(overrides) if _override_covers(o, key)), None)
-            if origin is not None:
-                line += f" (from override '{origin}')"
-            elif file is not None:
-                line += f" (in {file})"
-        lines.append(line)
+        keys = cause.keys if isinstance(cause, ConfigError) else (key,)
+        lines.append(line + _origin(keys, file, overrides))
     return "\n".join(lines)
+
+
+def _origin(keys: Sequence[str], file: str | None, overrides: Sequence[str]) -> str:
+    """Where the values of `keys` came from: the overrides that set them (the last one per key
+    wins) and/or the file; empty when neither (defaults only)."""
+    used, from_file = [], False
+    for key in keys:
+        origin = next((o for o in reversed(overrides) if _override_covers(o, key)), None)
+        if origin is None:
+            from_file = True
+        elif origin not in used:
+            used.append(origin)
+    parts = ["from override " + ", ".join(f"'{o}'" for o in used)] if used else []
+    if from_file and file is not None:
+        parts.append(f"in {file}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _override_covers(override: str, key: str) -> bool:

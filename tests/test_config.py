@@ -94,9 +94,10 @@ def test_overrides_are_parsed_as_yaml():
         overrides=[
             "lora.rank=16",
             "rollout.launch=false",
+            "rollout.urls=[http://127.0.0.1:8000]",
             "lora.target_modules=[q_proj,v_proj]",
             "train.lr=1e-4",
-            "sync.mode=auto",
+            "sync.mode=merged",
             "model.path=",
         ]
     )
@@ -104,7 +105,7 @@ def test_overrides_are_parsed_as_yaml():
     assert cfg.rollout.launch is False
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.train.lr == 1e-4
-    assert cfg.sync.mode == "auto"
+    assert cfg.sync.mode == "merged"
     assert cfg.model.path is None  # `key=` means null
 
 
@@ -273,3 +274,32 @@ def test_every_shipped_config_is_valid_and_shows_its_launch_command():
     for path in configs:
         load_config(path)
         assert "graft " in path.read_text().split("\n\n")[0], f"{path.name}: header lacks the launch command"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine=sglang"], "needs rollout.urls"),
+    (["rollout.launch=false"], "no vLLM server to talk to"),
+    (["rollout.engine=reference", "rollout.urls=[http://127.0.0.1:1]"], "in-process, no server"),
+    (["sync.mode=full"], "graft trains a LoRA adapter"),
+    (["sync.mode=auto"], "not offered yet"),
+    (["sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]"], "cannot read: set sync.dir"),
+])
+def test_impossible_engine_and_sync_settings_are_config_errors_naming_their_origin(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(None, overrides)
+    origin = str(error.value).rsplit(" (from override ", 1)[1]
+    assert origin.endswith(")") and sorted(origin[:-1].split(", ")) == sorted(repr(o) for o in overrides)
+
+
+def test_a_cross_field_error_names_the_file_and_the_override_it_came_from(tmp_path):
+    path = _write(tmp_path, "rollout:\n  engine: sglang\n")
+    with pytest.raises(ConfigError, match=rf"needs rollout.urls.*\(in {path}\)$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"\(from override 'rollout.urls=\[\]'; in {path}\)$"):
+        load_config(path, ["rollout.urls=[]"])
+
+
+def test_merged_sync_to_a_remote_engine_is_fine_with_a_shared_dir():
+    config = load_config(None, ["sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]",
+                                "sync.dir=/shared/weights"])
+    assert config.sync.dir == "/shared/weights"

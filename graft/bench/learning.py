@@ -23,12 +23,12 @@ from rich.table import Table
 
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import GraftConfig, load_config
+from graft.evaluation import evaluate
 from graft.models.loading import load_tokenizer
 from graft.quickstart.base import QUICKSTART_SETTINGS, cached_base_model, default_cache_dir
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 from graft.tasks.examples import load_task_data
-from graft.evaluation import evaluate
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 

@@ -36,7 +36,7 @@ from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
-from graft.sync.merged import WeightsSync
+from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 
 
@@ -105,9 +105,9 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
     async with VllmClient(url) as client:
         adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
                                    keep_versions=3, max_loras=4, inflight=InFlightVersions())
-        merged_sync = WeightsSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
+        merged_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
                                   dtype=torch.bfloat16)
-        full_sync = WeightsSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="full",
+        full_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="full",
                                 dtype=torch.bfloat16)
         try:
             for version in range(1, repeats + 2):  # version 1 warms up, not counted

@@ -6,7 +6,7 @@ warm-up round), each starting on a flushed disk and an idle engine (untimed, see
 - adapter: AdapterSync, publish + load into vLLM (+ unload of the version leaving the window);
 - adapter_publish: its publish part alone (files, fsync, hashes, manifest);
 - raw_write: adapter's floor: gather the adapter tensors, `safetensors.save_file`, fsync;
-- merged: WeightsSync(kind="merged"), publish base + LoRA merged (fp32 math) + reload the server's weights;
+- merged: MergedSync(kind="merged"), publish base + LoRA merged (fp32 math) + reload the server's weights;
 - merged_publish: its publish part alone;
 - merged_raw_write: merged's floor: the same weight bytes (the base's, same names, shapes and dtype as the
   merged ones) written with `safetensors.save_file` + fsync; the merge itself is not timed.
@@ -47,7 +47,7 @@ from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, group_cpu_seconds
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
-from graft.sync.merged import WeightsSync
+from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 
 matplotlib.use("Agg")
@@ -125,7 +125,7 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
     async with VllmClient(url) as client:
         adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
                                    keep_versions=3, max_loras=4, inflight=InFlightVersions())
-        merged_sync = WeightsSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
+        merged_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
                                   dtype=torch.bfloat16)
         try:
             for round_index in range(repeats + 1):  # round 0 warms up, not counted

@@ -24,37 +24,24 @@ from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 HTTP_CLIENTS: dict[str, Callable[[str], RolloutEngine]] = {"vllm": VllmClient, "sglang": SglangClient}
 
 
-def check_engine_config(config: GraftConfig) -> None:
-    """Reject engine settings that cannot work, before any process starts.
-
-    Raises:
-        ValueError: naming the keys at fault.
-    """
-    rollout = config.rollout
-    if rollout.engine == "reference" and rollout.urls:
-        raise ValueError("rollout.urls is set but rollout.engine is 'reference' (in-process, no server)")
-    if rollout.engine == "sglang" and not rollout.urls:
-        raise ValueError("rollout.engine 'sglang' needs rollout.urls: graft connects to SGLang servers, "
-                         "it does not launch them")
-    if rollout.engine == "vllm" and not rollout.urls and not rollout.launch:
-        raise ValueError("rollout.urls is empty and rollout.launch is false: no vLLM server to talk to")
-    if not rollout.urls and config.model.path is None:
-        raise ValueError(f"model.path is required to {'launch vLLM' if rollout.engine == 'vllm' else 'load the model'}")
-
-
 @contextlib.asynccontextmanager
 async def open_engine(config: GraftConfig, run_dir: str | Path) -> AsyncIterator[RolloutEngine]:
-    """Yield the run's engine: one client, a pool of clients, or the in-process reference engine."""
-    check_engine_config(config)
+    """Yield the run's engine: one client, a pool of clients, or the in-process reference engine.
+
+    The config has already ruled out engines graft cannot reach (`GraftConfig` validators).
+
+    Raises:
+        ConfigError: no model.path where graft must load or serve the model itself.
+    """
     rollout = config.rollout
     if rollout.engine == "reference":
-        yield ReferenceEngine(config.model.path, dtype=config.model.dtype)
+        yield ReferenceEngine(config.require_model_path("load the model"), dtype=config.model.dtype)
         return
     async with contextlib.AsyncExitStack() as stack:
         urls = list(rollout.urls)
         if not urls:
             server = VllmServer(VllmServerConfig(
-                model=config.model.path, dtype="float32" if config.model.dtype == "float32" else "bfloat16",
+                model=config.require_model_path("launch vLLM"), dtype="float32" if config.model.dtype == "float32" else "bfloat16",
                 max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, log_dir=Path(run_dir) / "logs"))
             await asyncio.to_thread(server.start)
             stack.callback(server.stop)

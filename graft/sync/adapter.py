@@ -66,7 +66,8 @@ def adapter_version(lora_name: str, name: str) -> int | None:
 
 
 class AdapterSync:
-    """The adapter lifecycle on one engine (or an `EnginePool`, which broadcasts).
+    """The `adapter` sync mode: the adapter lifecycle on one engine (or an `EnginePool`, which
+    broadcasts). Implements `graft.sync.modes.SyncMode`.
 
     Args:
         engine: Where versions are loaded and unloaded; it reads the published directories.
@@ -81,6 +82,10 @@ class AdapterSync:
         ValueError: keep_versions < 0, max_loras < 1, or keep_versions > max_loras.
     """
 
+    name = KIND
+    # Every version has its own name, so a sync never changes what a running request computes.
+    needs_engine_lock = False
+
     def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, lora_name: str, keep_versions: int,
                  max_loras: int, inflight: InFlightVersions, logger: logging.Logger | None = None) -> None:
         if keep_versions < 0 or max_loras < 1 or keep_versions > max_loras:
@@ -88,7 +93,6 @@ class AdapterSync:
                              f"(got keep_versions={keep_versions}, max_loras={max_loras})")
         self._engine = engine
         self.publisher = publisher
-        self.kind = KIND
         self._lora_name = lora_name
         self._keep = keep_versions
         self._max_loras = max_loras
@@ -101,6 +105,14 @@ class AdapterSync:
         self._lock = asyncio.Lock()  # sync and close run one at a time
         self.unload_failures = 0  # total; each SyncResult carries those since the previous one
         self._failures_reported = 0
+
+    def request_adapter(self, version: int) -> str:
+        """The adapter name a rollout of `version` must request."""
+        return adapter_name(self._lora_name, version)
+
+    def discard_from(self, version: int) -> None:
+        """Forget published versions >= `version` on disk (an interrupted run's), before republishing."""
+        self.publisher.discard_from(KIND, version)
 
     @property
     def current(self) -> str | None:

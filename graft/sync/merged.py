@@ -1,10 +1,14 @@
-"""Merged and full sync: publish whole model weights and have the engines reload them.
+"""Merged sync: publish whole model weights and have the engines reload them.
 
 Merged mode streams `base + LoRA` through graft's zero-drift merge (fp32 math, one rounding, into
 new tensors: the trainer's base weights are never written) into a versioned directory, then every
 engine reloads its base weights from it (pause → reload → reset prefix cache → resume, inside the
 engine client). Requests then name the base model: serving runs at base speed, without the LoRA
-kernels. Full mode is the same path for a model trained without LoRA (full fine-tuning).
+kernels. `kind="full"` is the same path for a model without LoRA (what full fine-tuning would
+publish): `graft bench sync` measures it; `sync.mode` does not offer it, as graft trains LoRA.
+
+A reload swaps what every request sees, so `needs_engine_lock`: the trainer holds the rollout
+producer's engine lock across the sync and no batch mixes two versions.
 """
 
 from __future__ import annotations
@@ -21,19 +25,34 @@ from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
 
 
-class WeightsSync:
-    """Publish `kind` ("merged" or "full") weight versions and reload them into `engine`.
+class MergedSync:
+    """The `merged` sync mode: publish `kind` ("merged" or "full") weight versions and reload them
+    into `engine`. Implements `graft.sync.modes.SyncMode`.
 
     Args:
         dtype: dtype of the published weights: what the engine serves (e.g. bfloat16).
     """
 
-    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, kind: str, dtype: torch.dtype) -> None:
+    needs_engine_lock = True
+
+    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, dtype: torch.dtype,
+                 kind: str = "merged") -> None:
         assert kind in ("merged", "full"), kind
         self.engine = engine
         self.publisher = publisher
-        self.kind = kind
+        self.kind = self.name = kind
         self.dtype = dtype
+
+    def request_adapter(self, version: int) -> None:
+        """Requests name the base model: the engine's base weights are the policy."""
+        return None
+
+    def discard_from(self, version: int) -> None:
+        """Forget published versions >= `version` on disk (an interrupted run's), before republishing."""
+        self.publisher.discard_from(self.kind, version)
+
+    async def close(self) -> None:
+        """Nothing to unload: the engine keeps serving the last reloaded weights."""
 
     async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
         """Publish `model`'s weights as `version` and make every engine serve them."""

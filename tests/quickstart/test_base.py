@@ -4,8 +4,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from graft.quickstart import base as quickstart
 from graft.config import load_config
+from graft.quickstart import base as quickstart
 
 REPO = Path(__file__).parents[2]
 

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from graft.models.tokenizer import train_tokenizer
 from graft.quickstart.warmup import (
     IGNORE_INDEX,
     LOSS_WINDOW,
@@ -15,7 +16,6 @@ from graft.quickstart.warmup import (
     greedy_accuracy,
     sft_base_model,
 )
-from graft.models.tokenizer import train_tokenizer
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
 

@@ -2,24 +2,25 @@ import asyncio
 
 import pytest
 
-from graft.config import load_config
+from graft.config import ConfigError, load_config
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.factory import check_engine_config, open_engine
+from graft.rollout.factory import open_engine
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import free_port
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.engine=sglang"], "needs rollout.urls"),
-    (["rollout.launch=false"], "no vLLM server to talk to"),
-    (["rollout.engine=reference", "rollout.urls=[http://127.0.0.1:1]"], "in-process, no server"),
-    ([], "model.path is required to launch vLLM"),
-])
-def test_impossible_engine_settings_are_rejected_before_anything_starts(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        check_engine_config(load_config(None, overrides))
+def test_a_missing_model_path_is_named_before_anything_starts(tmp_path):
+    async def scenario(config):
+        async with open_engine(config, tmp_path):
+            raise AssertionError("no engine may open without model.path")
+
+    for overrides, message in ([[], "model.path is required to launch vLLM"],
+                               [["rollout.engine=reference"], "model.path is required to load the model"]):
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(scenario(load_config(None, overrides)))
+    assert not (tmp_path / "logs").exists()
 
 
 def test_reference_engine_from_config(base_dir, tmp_path):

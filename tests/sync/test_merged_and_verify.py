@@ -14,7 +14,7 @@ from graft.lora.attach import lora_parameters
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
-from graft.sync.merged import WeightsSync
+from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.verify import DeliveryError, verify_delivery
 from tests.helpers import trained_like_peft_model
@@ -43,7 +43,7 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
         async with VllmClient(vllm_server.url) as client:
             base_tokens = await _greedy(client)
             try:
-                result = await WeightsSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
+                result = await MergedSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
                 assert result.mode == "merged" and result.bytes > 0 and result.engine_adapters_loaded == 0
                 served = await _greedy(client)
                 assert served == await _greedy(ReferenceEngine(result_path(publisher, 1)))
@@ -52,7 +52,7 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
                 assert gap <= FP32_TOLERANCE
 
                 # 100 more merged syncs, each of a changed adapter: the trainer's base stays bit-identical.
-                sync = WeightsSync(client, publisher, kind="merged", dtype=torch.float32)
+                sync = MergedSync(client, publisher, kind="merged", dtype=torch.float32)
                 for version in range(2, 102):
                     with torch.no_grad():
                         next(iter(lora_parameters(model).values())).add_(1e-3)

@@ -6,7 +6,7 @@ import torch
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.rollout.reference import ReferenceEngine
-from graft.sync.policy_sync import PolicySync, check_sync_config
+from graft.sync.policy_sync import PolicySync
 from graft.sync.verify import DeliveryError
 from tests.helpers import trained_like_peft_model
 
@@ -68,17 +68,3 @@ def test_a_failed_delivery_stops_the_run_or_warns(base_dir, tmp_path):
     with pytest.raises(DeliveryError, match="differ from the trainer's"):
         asyncio.run(run("error"))
     assert asyncio.run(run("warn"))["logprob_abs_diff_max"] > 1e-3
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["sync.mode=full"], "graft trains a LoRA adapter"),
-    (["sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]"], "cannot read: set sync.dir"),
-])
-def test_impossible_sync_settings_are_rejected_before_anything_starts(base_dir, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        check_sync_config(_config(base_dir, *overrides))
-
-
-def test_merged_sync_to_a_remote_engine_is_fine_with_a_shared_dir(base_dir):
-    check_sync_config(_config(base_dir, "sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]",
-                              "sync.dir=/shared/weights"))

@@ -9,8 +9,7 @@ from graft.rollout.reference import ReferenceEngine
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.examples import Example
 from graft.tasks.rewards import exact_numeric
-from graft.train.rollout_batch import build_rollout_batch
-from graft.train.trainer import sampling_seed
+from graft.train.rollout_batch import build_rollout_batch, sampling_seed
 
 
 def _completions(base_dir, seed: int) -> list[list[int]]:

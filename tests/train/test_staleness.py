@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from graft.train.staleness import RolloutProducer
 from graft.train.rollout_batch import RolloutBatch
+from graft.train.staleness import RolloutProducer
 
 
 def _batch(version: int) -> RolloutBatch:

@@ -1,0 +1,102 @@
+"""The trained policy on one rank: the LoRA model (FSDP2-sharded over ranks), rank 0's unsharded
+copy that is published, the optimizer, and where the run stands — created fresh or resumed.
+
+Every method here is called in the same order on every rank (the update and the gather are
+collectives); rank 0's loop (`graft.train.trainer`) adds rollouts, sync and logging around them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import torch
+
+from graft.config import GraftConfig
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.models.loading import load_model
+from graft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from graft.train.distributed import Dist, broadcast_batch, full_tensor, shard_model
+from graft.train.rollout_batch import RolloutBatch
+from graft.train.update import policy_update
+
+
+class ResumeError(ValueError):
+    """`--resume` without a checkpoint, or a fresh start over an earlier run's checkpoints."""
+
+
+def learning_rate(config: GraftConfig, step: int) -> float:
+    """`train.lr` after a linear warmup over `train.warmup_steps` steps."""
+    warmup = config.train.warmup_steps
+    return config.train.lr * (min(1.0, step / warmup) if warmup else 1.0)
+
+
+def _build_policy(config: GraftConfig) -> peft.PeftModel:
+    lora = config.lora
+    return attach_lora(load_model(config.model.path, dtype=config.model.dtype), rank=lora.rank,
+                       alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                       exclude_modules=lora.exclude_modules, seed=config.train.seed)
+
+
+class PolicyState:
+    """Model, publish copy, optimizer and the run's position (`step`, `version`) on one rank.
+
+    Args:
+        pad_id: the tokenizer's pad token (batches are right-padded with it).
+        resume: continue from the newest checkpoint in RUN_DIR/checkpoints.
+
+    Raises:
+        ResumeError: `resume` without a checkpoint, or a fresh start where checkpoints exist.
+    """
+
+    def __init__(self, config: GraftConfig, run_dir: Path, ctx: Dist, pad_id: int, resume: bool) -> None:
+        self.config, self.ctx, self.pad_id = config, ctx, pad_id
+        self.checkpoints = run_dir / "checkpoints"
+        self.model = _build_policy(config).to(ctx.device)
+        shard_model(self.model, ctx)
+        # Rank 0 publishes and verifies from an unsharded copy that receives the LoRA weights after
+        # each step (a LoRA-only gather); with one rank the model itself.
+        self.publish_model = _build_policy(config) if ctx.active and ctx.is_main else self.model
+        self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
+        self.step, self.version = 0, 0
+        found = latest_checkpoint(self.checkpoints)
+        if resume:
+            if found is None:
+                raise ResumeError(f"--resume: no checkpoint in {self.checkpoints}")
+            state = load_checkpoint(found, self.model, self.optimizer)
+            self.step, self.version = state["step"], state["policy_version"]
+            self._gather_for_publishing()
+        elif found is not None:
+            raise ResumeError(f"{run_dir} holds checkpoints of an earlier run ({found.name}): pass --resume to "
+                              "continue it, or choose another --run-dir")
+
+    def learn(self, batch: RolloutBatch | None, step: int) -> dict:
+        """Broadcast rank 0's batch, update on this rank's slice, gather the LoRA weights for
+        publishing; the step's train metrics. `batch` is None on ranks > 0."""
+        batch = broadcast_batch(batch, self.ctx)
+        lr = learning_rate(self.config, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics = policy_update(self.model, self.optimizer, batch, self.config.train, self.pad_id, self.ctx)
+        self._gather_for_publishing()
+        self.step, self.version = step, step
+        return {**metrics, "lr": lr}
+
+    def _gather_for_publishing(self) -> None:
+        """A collective (all-gather of each LoRA shard) on every rank; rank 0 keeps the result."""
+        if not self.ctx.active:
+            return
+        targets = lora_parameters(self.publish_model) if self.ctx.is_main else {}
+        with torch.no_grad():
+            for name, param in lora_parameters(self.model).items():
+                full = full_tensor(param.detach())
+                if name in targets:
+                    targets[name].copy_(full)
+
+    def maybe_checkpoint(self, step: int) -> None:
+        """Save RUN_DIR/checkpoints/step-N every `train.checkpoint_every` steps and at the last."""
+        train = self.config.train
+        if step == train.steps or (train.checkpoint_every and step % train.checkpoint_every == 0):
+            save_checkpoint(self.checkpoints, self.model, self.optimizer,
+                            {"step": step, "policy_version": self.version, "data_cursor": step * train.batch_prompts},
+                            step=step, keep=train.keep_checkpoints, write=self.ctx.is_main)
