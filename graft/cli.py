@@ -171,7 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graft", description="RL post-training of LLMs with a LoRA adapter on a frozen base model.")
     parser.add_argument("--version", action="version", version=f"graft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_tiny_model_command(sub)
+    _add_export_command(sub)
+    _add_config_command(sub)
+    _add_bench_command(sub)
+    _add_train_command(sub)
+    _add_eval_command(sub)
+    _add_serve_command(sub)
+    _add_quickstart_command(sub)
+    return parser
 
+
+def _add_tiny_model_command(sub) -> None:
     p = sub.add_parser("tiny-model", help="build a random tiny HF model + locally trained tokenizer",
                        description="Build a random tiny causal LM (head_dim >= 32, so vLLM on CPU serves it) "
                                    "and a tokenizer trained locally, with a chat template. Deterministic for a seed.")
@@ -182,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     p.set_defaults(func=cmd_tiny_model)
 
+
+def _add_export_command(sub) -> None:
     p = sub.add_parser("export", help="write base + LoRA adapter as a standalone merged model",
                        description="Merge a PEFT LoRA adapter into its base model (fp32 math, one rounding, "
                                    "base never modified) and write a standalone HF model: safetensors, config, tokenizer.")
@@ -192,12 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the merged weights (default: the base checkpoint's)")
     p.set_defaults(func=cmd_export)
 
+
+def _add_config_command(sub) -> None:
     p = sub.add_parser("config", help="validate a config and print it resolved",
                        description="Load a YAML config with -o overrides, validate it, print the resolved config.")
     _add_config_arguments(p, "lora.rank=16")
     p.add_argument("--save", metavar="FILE", help="also write the resolved config to FILE")
     p.set_defaults(func=cmd_config)
 
+
+def _add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (measured side by side in one run)",
                        description="merge: graft's zero-drift merge vs PEFT merge_adapter() on a ~95M-parameter "
                                    "random bf16 model, LoRA on all linear layers; medians and base drift. "
@@ -229,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_train_command(sub) -> None:
     p = sub.add_parser("train", help="LoRA GRPO training (one process, or FSDP2 under torchrun)",
                        description="Run LoRA GRPO: rollouts from the engine (vLLM by default), group-relative "
                                    "advantages, PPO-clip update of the adapter, verified sync of every new version "
@@ -240,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR")
     p.set_defaults(func=cmd_train)
 
+
+def _add_eval_command(sub) -> None:
     p = sub.add_parser("eval", help="held-out accuracy of the base model or of a LoRA adapter",
                        description="Greedy answers to the config's held-out examples (train.eval_examples of them) "
                                    "from the config's engine, scored by exact numeric match.")
@@ -249,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="runs/eval", help="where engine logs go (default runs/eval)")
     p.set_defaults(func=cmd_eval)
 
+
+def _add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="run a graft-configured vLLM server in the foreground",
                        description="Start vLLM (python -m vllm.entrypoints.openai.api_server) with LoRA, runtime "
                                    "adapter loading and the weight-reload endpoints enabled, on loopback by default. "
@@ -263,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="runs/serve/logs", help="where vllm-<port>.log goes")
     p.set_defaults(func=cmd_serve)
 
+
+def _add_quickstart_command(sub) -> None:
     p = sub.add_parser("quickstart", help="the main job: LoRA GRPO on a real vLLM server, end to end",
                        description="Build (once, cached) a small base model by short supervised training on "
                                    "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
@@ -274,7 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, help="where base models are cached (default $GRAFT_CACHE or "
                                                      "~/.cache/graft)")
     p.set_defaults(func=cmd_quickstart)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
