@@ -127,10 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = VllmServerConfig(model=str(require_model_dir(args.model)), host=args.host, port=args.port,
                               dtype=args.dtype, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
                               max_model_len=args.max_model_len, log_dir=args.log_dir)
-    # Ctrl-C and SIGTERM both unwind through the `finally` below, so the server never outlives us
-    # (a background job inherits SIGINT ignored; the default SIGTERM action skips all cleanup).
+    # Ctrl-C and SIGTERM (see `main`) both unwind through the `finally` below, so the server never
+    # outlives us (a background job inherits SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console = Console(stderr=True)
     server = VllmServer(config)
     with console.status(f"starting vLLM for {args.model} (takes ~30-70 s on CPU)"):
@@ -301,6 +300,19 @@ def _add_quickstart_command(sub) -> None:
     p.set_defaults(func=cmd_quickstart)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, the way Slurm, docker and systemd stop a job: unwound like Ctrl-C, so every
+    `finally` and context manager runs (a launched vLLM server is stopped, files are closed)."""
+
+
+def _terminate_on_sigterm() -> None:
+    def raise_terminated(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
     from graft.rollout.engine import EngineError
     from graft.rollout.vllm_launcher import VllmStartupError
@@ -308,8 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     _stack_dump_on_sigusr1()
+    _terminate_on_sigterm()
     try:
         args.func(args)
+    except Terminated:
+        print("graft: terminated (SIGTERM); servers graft launched were stopped; a training run continues "
+              "from its newest checkpoint with --resume", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("graft: interrupted", file=sys.stderr)
         return 130

@@ -13,12 +13,26 @@ at most that.
 
 The patch sits at module top level because vLLM starts its engine core and workers with the
 `spawn` method on CPU, which imports the main module (this one) in every child.
+
+The server also never outlives the process that launched it: `VllmServer` names itself in
+`GRAFT_OWNER_PID`, and a watchdog thread in the API server stops the whole process group once that
+process is gone (killed with SIGKILL or by the OOM killer, so no `stop()` ran: the server was then
+re-parented and went on holding ~3 GB). SIGTERM first, SIGKILL after `OWNER_GONE_GRACE_S` for
+whatever is left, from a helper outside the group that the SIGTERM cannot stop.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import threading
+import time
+
 BUSY_LOOP_S = 0.05
 RECHECK_INTERVAL_MS = 10
+OWNER_POLL_S = 0.5
+OWNER_GONE_GRACE_S = 10
 
 
 def _shorter_busy_wait() -> None:
@@ -37,7 +51,34 @@ def _shorter_busy_wait() -> None:
 
 _shorter_busy_wait()
 
+
+def _stop_group_when_owner_exits(owner_pid: int) -> None:
+    """Poll our parent; once it is no longer `owner_pid` (it died and we were re-parented), stop
+    this process group: SIGTERM now, SIGKILL after the grace period from outside the group."""
+    while os.getppid() == owner_pid:
+        time.sleep(OWNER_POLL_S)
+    group = os.getpgrp()
+    subprocess.Popen(["sh", "-c", f"sleep {OWNER_GONE_GRACE_S}; kill -KILL -{group} 2>/dev/null"],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+    os.killpg(group, signal.SIGTERM)
+
+
+def watch_owner() -> threading.Thread | None:
+    """Start the owner watchdog when the launcher named an owner that is our parent."""
+    from graft.rollout.vllm_launcher import OWNER_ENV
+
+    owner = os.environ.get(OWNER_ENV, "")
+    if not owner.isdigit() or int(owner) != os.getppid():
+        return None
+    thread = threading.Thread(target=_stop_group_when_owner_exits, args=(int(owner),), name="graft-owner-watchdog",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
+    watch_owner()
     main()

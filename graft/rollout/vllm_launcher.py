@@ -32,6 +32,8 @@ from graft.config import VLLM_LORA_RANKS
 DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
 SERVER_MODULE = "graft.rollout.vllm_entry"
+# The launching process's pid; the server's watchdog (graft.rollout.vllm_entry) stops the server once it is gone.
+OWNER_ENV = "GRAFT_OWNER_PID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 
@@ -189,6 +191,7 @@ class VllmServer:
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /reset_prefix_cache
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+            OWNER_ENV: str(os.getpid()),  # the server stops itself if this process dies without stop()
         }
 
     def health(self, timeout_s: float = 2.0) -> bool:
