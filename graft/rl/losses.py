@@ -1,9 +1,11 @@
-"""Policy-gradient losses: token log-probs, PPO-clip, k3 KL, truncated importance weights, GRPO.
+"""Policy-gradient losses: PPO-clip, k3 KL, truncated importance weights, GRPO.
 
-Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens, ``_V`` vocabulary. Every ``_BT``
-function also works on packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count
-(completion tokens); masked positions are selected out with ``torch.where``, so whatever sits at
-padding (even inf or NaN) cannot change the loss.
+The per-token log-probs and entropies they take come from ``graft.rl.logprobs``.
+
+Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. Every ``_BT`` function also works on
+packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count (completion tokens); masked
+positions are selected out with ``torch.where``, so whatever sits at padding (even inf or NaN)
+cannot change the loss.
 """
 
 from collections.abc import Callable
@@ -12,22 +14,6 @@ import torch
 from torch import Tensor
 
 Aggregation = Callable[[Tensor, Tensor, float | None], Tensor]
-
-
-def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
-    """``logprobs_BT[b, t] = log_softmax(logits_BTV[b, t])[tokens_BT[b, t]]``, in float32.
-
-    The caller aligns: ``tokens_BT[b, t]`` must be the token that the logits at ``t`` predict
-    (the next token; see ``graft.rl.packing.next_token_targets``).
-    """
-    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
-    return logprobs_BTV.gather(dim=-1, index=tokens_BT.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits_BTV: Tensor) -> Tensor:
-    """``entropy_BT = -sum_v p_v log p_v`` of the softmax of the logits, in float32."""
-    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
-    return -(logprobs_BTV.exp() * logprobs_BTV).sum(dim=-1)
 
 
 def _token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None) -> Tensor:

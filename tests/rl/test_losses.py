@@ -14,8 +14,6 @@ from graft.rl.losses import (
     grpo_loss,
     kl_k3,
     ppo_clip_loss,
-    token_entropy,
-    token_logprobs,
     truncated_importance_weights,
 )
 
@@ -38,22 +36,6 @@ def _batch(seed: int, b: int = 4, t: int = 7):
 def _grpo(logprobs_BT, old_BT, ref_BT, entropy_BT, adv_B, mask_BT, agg, tis_BT=None, kl_coef=0.05, ent=0.01):
     return grpo_loss(logprobs_BT, old_BT, ref_BT, adv_B, mask_BT, clip_eps=0.2, kl_coef=kl_coef,
                      entropy_BT=entropy_BT, entropy_coef=ent, agg=agg, tis_weights_BT=tis_BT)
-
-
-def test_token_logprobs_and_entropy():
-    g = torch.Generator().manual_seed(0)
-    logits_BTV = torch.randn(2, 5, 11, generator=g).to(torch.bfloat16)
-    tokens_BT = torch.randint(0, 11, (2, 5), generator=g)
-    logprobs_BT = token_logprobs(logits_BTV, tokens_BT)
-    assert logprobs_BT.dtype == torch.float32
-    probs_BTV = torch.softmax(logits_BTV.double(), -1)
-    expected_BT = probs_BTV.gather(-1, tokens_BT[..., None]).squeeze(-1).log()
-    torch.testing.assert_close(logprobs_BT.double(), expected_BT, atol=1e-6, rtol=0)
-    entropy_BT = token_entropy(logits_BTV)
-    assert entropy_BT.dtype == torch.float32
-    torch.testing.assert_close(entropy_BT.double(), -(probs_BTV * probs_BTV.log()).sum(-1), atol=1e-5, rtol=0)
-    uniform = token_entropy(torch.zeros(1, 1, 11))
-    torch.testing.assert_close(uniform, torch.full((1, 1), math.log(11)))
 
 
 @pytest.mark.parametrize("agg", AGGS)
