@@ -109,7 +109,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     start = time.perf_counter()
     model.train()
     n_prompts, group = batch.rewards_PG.shape
-    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std).flatten()
+    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std).flatten()
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
