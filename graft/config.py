@@ -198,6 +198,13 @@ class TrainConfig(_Section):
     normalize_adv_std: bool = Field(
         True, description="Divide group-centred rewards by the group's std (GRPO); false = Dr. GRPO advantages."
     )
+    adv_std: Literal["population", "sample"] = Field(
+        "population", description="Which std divides the advantages when normalize_adv_std: 'population' (over G, "
+        "graft's default) or 'sample' (over G - 1, torch.std's default, which TRL and verl use: their advantages "
+        "are sqrt((G-1)/G) of graft's, 0.935x at G=8). Population because each group's advantages then have unit "
+        "RMS whatever the group size G, so the weight of the policy term against kl_coef and entropy_coef does not "
+        "depend on G."
+    )
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling with the engine's log-probs, weights capped here; "
         "null = off. Corrects for stale (max_staleness > 0) or numerically different engine samples."

@@ -135,6 +135,12 @@ def test_unknown_key_via_override():
     assert "unknown config key 'rollout.max_lora'" in msg and "rollout.max_lora=4" in msg
 
 
+def test_adv_std_defaults_to_population_and_takes_sample_only():
+    assert GraftConfig().train.adv_std == "population"
+    assert load_config(None, ["train.adv_std=sample"]).train.adv_std == "sample"
+    assert _error(overrides=["train.adv_std=unbiased"]).startswith("train.adv_std: Input should be 'population' or")
+
+
 def test_wrong_type_names_key_without_pydantic_boilerplate():
     msg = _error(overrides=["rollout.n_samples=many"])
     assert msg.startswith("rollout.n_samples: Input should be a valid integer")

@@ -27,7 +27,8 @@ from graft.models.loading import (
     resolve_dtype,
 )
 
-SAFE_INDEX = "model.safetensors.index.json"
+SAFE_INDEX = "model.safetensors.index.json"  # names the shards of a sharded model
+SAFE_SINGLE = "model.safetensors"  # an unsharded model
 
 
 def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path,
@@ -56,7 +57,7 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
     if shard or not shards:
         flush()
     if len(shards) == 1:
-        os.replace(out_dir / "shard-00000.tmp", out_dir / "model.safetensors")
+        os.replace(out_dir / "shard-00000.tmp", out_dir / SAFE_SINGLE)
         return total_bytes
     weight_map = {}
     for i, names in enumerate(shards):

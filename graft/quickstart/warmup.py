@@ -25,7 +25,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from graft.atomic import atomic_dir
 from graft.models.tiny import tiny_config
 from graft.models.tokenizer import train_tokenizer
-from graft.rl.packing import pad
+from graft.rl.packing import Sequence, pad
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
 from graft.tasks.rewards import exact_numeric
@@ -41,34 +41,22 @@ DEFAULT_TARGET_LOSS = 0.5
 DEFAULT_TASK_KWARGS: dict = {"max_operand": 99, "n_train": 2000, "n_eval": 200, "ops": ("+",)}
 
 
-def sft_sequence(tokenizer: PreTrainedTokenizerBase, example: Example) -> tuple[list[int], list[int]]:
-    """The ids of one training sequence and its labels.
-
-    Returns:
-        ``(ids, labels)`` of equal length: the prompt, the answer tokens and ``<|im_end|>``; labels
-        are ``IGNORE_INDEX`` on the prompt and equal to ``ids`` on the answer and ``<|im_end|>``.
-    """
+def sft_sequence(tokenizer: PreTrainedTokenizerBase, example: Example) -> Sequence:
+    """``(prompt ids, answer ids)`` of one training sequence; the answer ends with ``<|im_end|>``."""
     prompt = render_prompt_ids(tokenizer, example)
-    answer = tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer
+    return prompt, tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def collate_sft(
-    tokenizer: PreTrainedTokenizerBase, examples: list[Example]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for a batch; pads are ignored."""
-    return _pad([sft_sequence(tokenizer, ex) for ex in examples], tokenizer.pad_token_id)
+def collate_sft(sequences: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for a batch of ``sft_sequence``s.
 
-
-def _pad(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _ in seqs)
-    input_ids_BT = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    labels_BT = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask_BT = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (ids, labels) in enumerate(seqs):
-        input_ids_BT[i, : len(ids)] = torch.tensor(ids)
-        labels_BT[i, : len(ids)] = torch.tensor(labels)
-        attention_mask_BT[i, : len(ids)] = 1
+    ``labels_BT`` equals ``input_ids_BT`` on the answer tokens and is ``IGNORE_INDEX`` on the prompt
+    and the padding. ``pad``'s completion mask marks the positions whose NEXT token is an answer
+    token; HF's causal-LM loss shifts the labels itself, so they sit one position to the right.
+    """
+    input_ids_BT, attention_mask_BT, completion_mask_BT = pad(sequences, "right", pad_id)
+    labels_BT = torch.full_like(input_ids_BT, IGNORE_INDEX)
+    labels_BT[:, 1:] = torch.where(completion_mask_BT[:, :-1], input_ids_BT[:, 1:], IGNORE_INDEX)
     return input_ids_BT, labels_BT, attention_mask_BT
 
 
@@ -120,7 +108,7 @@ def train_sft(
             if len(order) < batch:
                 order += rng.sample(range(len(examples)), len(examples))
             idx, order = order[:batch], order[batch:]
-            input_ids_BT, labels_BT, attention_mask_BT = _pad([seqs[i] for i in idx], tokenizer.pad_token_id)
+            input_ids_BT, labels_BT, attention_mask_BT = collate_sft([seqs[i] for i in idx], tokenizer.pad_token_id)
             loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -279,23 +267,3 @@ def greedy_accuracy(
         return 0.0
     completions = generate_completions(model, tokenizer, examples, max_new_tokens=max_new_tokens)
     return sum(exact_numeric(c[0], ex) for c, ex in zip(completions, examples)) / len(examples)
-
-
-def sampled_rewards(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    examples: list[Example],
-    *,
-    samples: int = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int = 8,
-) -> list[list[float]]:
-    """``exact_numeric`` rewards ``rewards_NS`` of ``samples`` sampled completions per example.
-
-    The mean is the sampled accuracy; an example whose row holds both 0 and 1 is a GRPO group with
-    reward variance. Sampling uses torch's global RNG: seed it for reproducible numbers.
-    """
-    completions = generate_completions(
-        model, tokenizer, examples, max_new_tokens=max_new_tokens, samples=samples, temperature=temperature
-    )
-    return [[exact_numeric(c, ex) for c in cs] for cs, ex in zip(completions, examples)]

@@ -3,34 +3,46 @@
 Shape suffixes: ``_P`` prompts, ``_G`` completions per prompt (the group).
 """
 
+from typing import Literal
+
 from torch import Tensor
 
+# Bessel correction of each std estimator: the sum of squared deviations is divided by G - correction.
+STD_CORRECTIONS = {"population": 0, "sample": 1}
+StdEstimator = Literal["population", "sample"]
 
-def group_advantages(rewards_PG: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+
+def group_advantages(rewards_PG: Tensor, normalize_std: bool = True, eps: float = 1e-6,
+                     std: StdEstimator = "population") -> Tensor:
     """GRPO advantages: each reward minus its group's mean, optionally over the group's std.
 
-    ``A[p, g] = (r[p, g] - mean_g r[p]) / (std_g r[p] + eps)`` with the population std
-    (``correction=0``, so a group of one is defined). A group whose rewards are all equal carries
-    no learning signal and gets exact zeros (never NaN, never rounding noise divided by ``eps``).
+    ``A[p, g] = (r[p, g] - mean_g r[p]) / (std_g r[p] + eps)``. The population std (over G) gives
+    every group's advantages unit RMS whatever G, so the policy term weighs the same against the KL
+    and entropy terms at any group size; the sample std (over G - 1, what TRL and verl use) makes
+    them ``sqrt((G-1)/G)`` as large. A group whose rewards are all equal carries no learning signal
+    and gets exact zeros (never NaN, never rounding noise divided by ``eps``; a group of one too).
 
     Args:
         rewards_PG: Rewards, one row per prompt, one column per sampled completion.
         normalize_std: Divide by the group std (GRPO); False gives the plain centred reward
             (Dr. GRPO).
         eps: Added to the std before dividing.
+        std: The std estimator, a name in ``STD_CORRECTIONS``.
 
     Returns:
         ``adv_PG``, float32 (or the input's floating dtype), same shape as ``rewards_PG``.
 
     Raises:
-        ValueError: If ``rewards_PG`` is not 2-D.
+        ValueError: If ``rewards_PG`` is not 2-D, or ``std`` is not a name in ``STD_CORRECTIONS``.
     """
     if rewards_PG.dim() != 2:
         raise ValueError(f"rewards_PG must be 2-D [prompts, group], got shape {tuple(rewards_PG.shape)}")
+    if std not in STD_CORRECTIONS:
+        raise ValueError(f"unknown std estimator {std!r}; known: {sorted(STD_CORRECTIONS)}")
     rewards_PG = rewards_PG if rewards_PG.is_floating_point() else rewards_PG.float()
     adv_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
     if normalize_std:
-        adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True, correction=0) + eps)
+        adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True, correction=STD_CORRECTIONS[std]) + eps)
     # The mean of equal floats need not round back to them exactly; zero such groups explicitly.
     constant_P1 = rewards_PG.amax(dim=1, keepdim=True) == rewards_PG.amin(dim=1, keepdim=True)
     return adv_PG.masked_fill(constant_P1, 0.0)

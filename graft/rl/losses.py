@@ -1,9 +1,11 @@
-"""Policy-gradient losses: token log-probs, PPO-clip, k3 KL, truncated importance weights, GRPO.
+"""Policy-gradient losses: PPO-clip, k3 KL, truncated importance weights, GRPO.
 
-Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens, ``_V`` vocabulary. Every ``_BT``
-function also works on packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count
-(completion tokens); masked positions are selected out with ``torch.where``, so whatever sits at
-padding (even inf or NaN) cannot change the loss.
+The per-token log-probs and entropies they take come from ``graft.rl.logprobs``.
+
+Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. Every ``_BT`` function also works on
+packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count (completion tokens); masked
+positions are selected out with ``torch.where``, so whatever sits at padding (even inf or NaN)
+cannot change the loss.
 """
 
 from collections.abc import Callable
@@ -12,22 +14,6 @@ import torch
 from torch import Tensor
 
 Aggregation = Callable[[Tensor, Tensor, float | None], Tensor]
-
-
-def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
-    """``logprobs_BT[b, t] = log_softmax(logits_BTV[b, t])[tokens_BT[b, t]]``, in float32.
-
-    The caller aligns: ``tokens_BT[b, t]`` must be the token that the logits at ``t`` predict
-    (the next token; see ``graft.rl.packing.next_token_targets``).
-    """
-    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
-    return logprobs_BTV.gather(dim=-1, index=tokens_BT.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits_BTV: Tensor) -> Tensor:
-    """``entropy_BT = -sum_v p_v log p_v`` of the softmax of the logits, in float32."""
-    logprobs_BTV = logits_BTV.float().log_softmax(dim=-1)
-    return -(logprobs_BTV.exp() * logprobs_BTV).sum(dim=-1)
 
 
 def _token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None) -> Tensor:
@@ -94,42 +80,6 @@ def _ppo_clip_terms(
     return loss_BT, ratio_BT, clipped_BT
 
 
-def ppo_clip_loss(
-    logprobs_BT: Tensor,
-    old_logprobs_BT: Tensor,
-    advantages_B: Tensor,
-    mask_BT: Tensor,
-    clip_eps: float,
-    agg: str,
-) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip: ``agg_t[-min(r_t A, clip(r_t, 1-eps, 1+eps) A)]``, ``r_t = exp(logp_t - old_t)``.
-
-    At ``r = 1`` the gradient is ``-A * grad(logp)``, aggregated like the loss.
-
-    Args:
-        logprobs_BT: Current policy's log-probs of the sampled tokens (with grad).
-        old_logprobs_BT: Log-probs of the policy that sampled (detached here).
-        advantages_B: One advantage per sequence, broadcast over its tokens.
-        mask_BT: True at the tokens that count.
-        clip_eps: Clip range of the ratio.
-        agg: Name in ``AGGREGATIONS``.
-
-    Returns:
-        ``(loss, stats)``; stats are token-means over the mask: ``clip_fraction``, ``ratio_mean``.
-
-    Raises:
-        ValueError: If ``agg`` is not registered.
-    """
-    aggregate = get_aggregation(agg)
-    loss_BT, ratio_BT, clipped_BT = _ppo_clip_terms(logprobs_BT, old_logprobs_BT, advantages_B, clip_eps)
-    with torch.no_grad():
-        stats = {
-            "clip_fraction": _token_mean(clipped_BT.float(), mask_BT).item(),
-            "ratio_mean": _token_mean(ratio_BT, mask_BT).item(),
-        }
-    return aggregate(loss_BT, mask_BT, None), stats
-
-
 def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - new``.
 
@@ -173,9 +123,11 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss: ``agg_t[w_t * ppo_t + kl_coef * k3_t - entropy_coef * H_t]``.
 
-    ``ppo_t`` is the per-token PPO-clip loss (see ``ppo_clip_loss``), ``w_t`` the truncated
-    importance weight (1 when ``tis_weights_BT`` is None), ``k3_t = kl_k3(logprobs, ref)`` and
-    ``H_t`` the token entropy. A term with coefficient 0 and no tensor is left out entirely.
+    ``ppo_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A)`` is the per-token PPO-clip loss with
+    ``r_t = exp(logp_t - old_t)`` (at ``r = 1`` its gradient is ``-A * grad(logp)``, aggregated like
+    the loss), ``w_t`` the truncated importance weight (1 when ``tis_weights_BT`` is None),
+    ``k3_t = kl_k3(logprobs, ref)`` and ``H_t`` the token entropy. A term with coefficient 0 and no
+    tensor is left out entirely; with ``kl_coef=0``, no entropy and no weights it is plain PPO-clip.
     ``divisor``: the aggregation's divisor for the whole batch when this is part of it (see
     ``AGGREGATIONS``); None = this batch is the whole.
 

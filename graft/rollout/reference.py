@@ -7,7 +7,7 @@ through the model's own KV cache (`past_key_values`), in the model's dtype (fp32
 Semantics copied from vLLM (v1) so results are comparable:
 - `logprobs[i]` is log-softmax of the RAW logits at the sampled token: no temperature, no top-p.
   That is what vLLM returns by default (`logprobs_mode="raw_logprobs"`), and what the trainer's
-  teacher-forced forward (`sequence_logprobs`) computes.
+  teacher-forced forward (`graft.rl.logprobs.sequence_logprobs`) computes.
 - temperature below 1e-5 is greedy (argmax, first index on ties); otherwise the token is drawn from
   softmax(logits / temperature) restricted to the top-p nucleus.
 - Sample j of a request with `seed` uses a generator seeded with `seed + j` (vLLM seeds the j-th
@@ -37,7 +37,6 @@ import peft
 import safetensors
 import safetensors.torch
 import torch
-from torch import nn
 
 from graft.lora.adapter_io import (
     AdapterError,
@@ -45,6 +44,7 @@ from graft.lora.adapter_io import (
     read_adapter_tensors,
 )
 from graft.lora.attach import check_target_modules
+from graft.lora.export import SAFE_INDEX, SAFE_SINGLE
 from graft.models.loading import load_model, load_tokenizer
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
@@ -58,8 +58,6 @@ from graft.rollout.engine import (
 
 ADDRESS = "in-process"
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures under it mean greedy
-_SAFE_INDEX = "model.safetensors.index.json"
-_SAFE_SINGLE = "model.safetensors"
 
 
 def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -78,28 +76,6 @@ def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, gener
         sorted_V[mass_before_V >= top_p] = 0.0
         probs_V = torch.zeros_like(probs_V).scatter_(0, order_V, sorted_V)
     return int(torch.multinomial(probs_V, 1, generator=generator))  # renormalises the kept mass
-
-
-@torch.no_grad()
-def sequence_logprobs(model: nn.Module, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
-    """Teacher-forced log-probs of `completion_ids` after `prompt_ids`, in one forward.
-
-    log-softmax of the raw logits, in fp32: the quantity engines report per sampled token. `model`
-    is used as it is (for a PeftModel: whichever adapter is active or disabled).
-
-    Raises:
-        ValueError: `prompt_ids` is empty (the first completion token would have no context).
-    """
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty; a completion log-prob needs at least one prompt token")
-    if not completion_ids:
-        return []
-    device = next(model.parameters()).device
-    ids_1T = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
-    # the logits at position t predict token t + 1: the completion is predicted from len(prompt) - 1 on
-    logits_CV = model(input_ids=ids_1T, use_cache=False).logits[0, len(prompt_ids) - 1:-1].float()
-    completion_C = ids_1T[0, len(prompt_ids):]
-    return torch.log_softmax(logits_CV, dim=-1).gather(-1, completion_C[:, None])[:, 0].tolist()
 
 
 class ReferenceEngine:
@@ -325,14 +301,14 @@ def _find_stop(text: str, stops: Sequence[str], checked_len: int) -> int | None:
 
 def _read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF model directory (`model.safetensors`, or the shards its index lists)."""
-    index = path / _SAFE_INDEX
+    index = path / SAFE_INDEX
     try:
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (path / _SAFE_SINGLE).is_file():
-            files = [_SAFE_SINGLE]
+        elif (path / SAFE_SINGLE).is_file():
+            files = [SAFE_SINGLE]
         else:
-            raise BadRequestError(f"Reloading weights from {path} failed: no {_SAFE_SINGLE} or {_SAFE_INDEX} there",
+            raise BadRequestError(f"Reloading weights from {path} failed: no {SAFE_SINGLE} or {SAFE_INDEX} there",
                                   address=ADDRESS, status=400)
         tensors: dict[str, torch.Tensor] = {}
         for file in files:

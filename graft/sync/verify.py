@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from graft.rl.logprobs import sequence_logprobs
 from graft.rollout.engine import EngineError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.pool import EnginePool, engine_address
-from graft.rollout.reference import sequence_logprobs
 
 # A fixed probe: token ids every tokenizer of a real model has; long enough to cross a KV block.
 PROBE_PROMPT = tuple(range(3, 3 + 24))

@@ -6,7 +6,7 @@ name up.
 
 from graft.tasks import arithmetic  # noqa: F401  (registers TASKS["arithmetic"])
 from graft.tasks.examples import TASKS, Example, load_jsonl, load_task_data, render_prompt_ids
-from graft.tasks.rewards import REWARDS, RewardFn, get_reward, score
+from graft.tasks.rewards import REWARDS, RewardFn, get_reward
 
 __all__ = [
     "REWARDS",
@@ -17,5 +17,4 @@ __all__ = [
     "load_jsonl",
     "load_task_data",
     "render_prompt_ids",
-    "score",
 ]

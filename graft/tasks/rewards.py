@@ -77,14 +77,3 @@ def get_reward(name: str) -> RewardFn:
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
     return REWARDS[name]
-
-
-def score(reward_fn: RewardFn, completions: list[str], examples: list[Example]) -> list[float]:
-    """Rewards of completions[i] against examples[i].
-
-    Raises:
-        ValueError: If the two lists differ in length.
-    """
-    if len(completions) != len(examples):
-        raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
-    return [reward_fn(c, ex) for c, ex in zip(completions, examples)]

@@ -20,18 +20,14 @@ from torch import nn
 from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
-from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, token_entropy, token_logprobs, truncated_importance_weights
-from graft.rl.packing import next_token_targets, pad
+from graft.rl.logprobs import teacher_forced_logprobs, token_entropy
+from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, truncated_importance_weights
+from graft.rl.packing import pad
 from graft.train.distributed import Dist, full_tensor
 from graft.train.rollout_batch import RolloutBatch
 
 # Token-weighted statistics, summed over micro-batches and ranks, then divided by the token count.
 _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean")
-
-
-def _completion_logprobs(model: nn.Module, input_ids_BT, attention_mask_BT) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    return token_logprobs(logits_BTV, next_token_targets(input_ids_BT)), logits_BTV
 
 
 def _padded_on_device(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int):
@@ -56,11 +52,12 @@ def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[in
     return [rows for rows in out if rows]
 
 
-class _Rows:
-    """Per-row tensors of the completion tokens, computed once before the first optimizer step: the
-    engine's log-probs, the reference's (adapter disabled) when the KL is in the loss, and the old
-    policy's when more than one optimizer step needs them. With one step and no KL there is no extra
-    forward pass at all: the loss's own forward gives the old policy (see `note_gap`)."""
+class _LogprobCache:
+    """Each row's completion-token log-probs that stay fixed through the update, computed once before
+    the first optimizer step: the engine's, the reference's (adapter disabled) when the KL is in the
+    loss, and the old policy's when more than one optimizer step needs them. With one step and no KL
+    there is no extra forward pass at all: the loss's own forward gives the old policy (see
+    `note_gap`)."""
 
     def __init__(self, model: nn.Module, batch: RolloutBatch, rows: list[int], train: TrainConfig, pad_id: int,
                  old_needed: bool) -> None:
@@ -77,9 +74,9 @@ class _Rows:
                 input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
                 if ref_needed:
                     with adapter_disabled(model):
-                        ref_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                        ref_BT, _ = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
                 if old_needed:
-                    policy_BT, _ = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+                    policy_BT, _ = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
                 for b, r in enumerate(part):
                     if ref_needed:
                         self.ref[r] = ref_BT[b, mask_BT[b]]
@@ -112,7 +109,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     start = time.perf_counter()
     model.train()
     n_prompts, group = batch.rewards_PG.shape
-    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std).flatten()
+    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std).flatten()
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
@@ -121,7 +118,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     mine = [(rows, 1.0) if rows else ([mini[0]], 0.0)
             for mini in minis for rows in [[mini[i] for i in ctx.rows(len(mini))]]]
     single_step = train.epochs * len(minis) == 1
-    cache = _Rows(model, batch, sorted({r for rows, _ in mine for r in rows}), train, pad_id,
+    cache = _LogprobCache(model, batch, sorted({r for rows, _ in mine for r in rows}), train, pad_id,
                   old_needed=not single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
@@ -130,7 +127,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
             loss_sum = 0.0
             for part in _chunks(rows, train.micro_batch_size):
-                loss, stats = _part_loss(model, batch, part, advantages, train, pad_id, divisor, cache, single_step)
+                loss, stats = _micro_batch_loss(model, batch, part, advantages, train, pad_id, divisor, cache,
+                                                single_step)
                 (loss * weight).backward()
                 part_tokens = weight * sum(lengths[r] for r in part)
                 loss_sum += weight * loss.item()
@@ -147,17 +145,18 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     (gap,) = ctx.max([cache.gap])
     stats = {k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)}
     if not train.kl_coef:
-        stats["kl"] = None  # no reference forward pass was run (see _Rows)
+        stats["kl"] = None  # no reference forward pass was run (see _LogprobCache)
     return {"loss": sum(losses) / len(losses), **stats,
             "grad_norm": sum(grad_norms) / len(grad_norms), "optimizer_steps": len(losses),
             "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
 
 
-def _part_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantages: torch.Tensor, train: TrainConfig,
-               pad_id: int, divisor: float, cache: _Rows, single_step: bool) -> tuple[torch.Tensor, dict]:
-    """Loss of `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
+def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantages: torch.Tensor,
+                      train: TrainConfig, pad_id: int, divisor: float, cache: _LogprobCache,
+                      single_step: bool) -> tuple[torch.Tensor, dict]:
+    """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, rows, pad_id)
-    logprobs_BT, logits_BTV = _completion_logprobs(model, input_ids_BT, attention_mask_BT)
+    logprobs_BT, logits_BTV = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
     if single_step:
         old_BT = logprobs_BT.detach()
         for b, r in enumerate(rows):

@@ -15,6 +15,7 @@ from graft.quickstart.warmup import (
     generate_completions,
     greedy_accuracy,
     sft_base_model,
+    sft_sequence,
 )
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
@@ -85,7 +86,8 @@ def test_loss_mask_covers_exactly_the_answer_and_eos(tokenizer):
         Example("What is 3 + 4? Answer with the number only.", "7"),
         Example("What is 10 + 95? Answer with the number only.", "105"),
     ]
-    input_ids_BT, labels_BT, attention_mask_BT = collate_sft(tokenizer, examples)
+    sequences = [sft_sequence(tokenizer, ex) for ex in examples]
+    input_ids_BT, labels_BT, attention_mask_BT = collate_sft(sequences, tokenizer.pad_token_id)
     for i, ex in enumerate(examples):
         prompt = render_prompt_ids(tokenizer, ex)
         answer = tokenizer.encode(ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -96,6 +98,7 @@ def test_loss_mask_covers_exactly_the_answer_and_eos(tokenizer):
         assert supervised == list(range(len(prompt), n))
         assert labels_BT[i, supervised].tolist() == answer
         assert tokenizer.decode(labels_BT[i, supervised]) == ex.answer + "<|im_end|>"
+        assert input_ids_BT[i, n:].tolist() == [tokenizer.pad_token_id] * (input_ids_BT.shape[1] - n)
 
 
 class _ScriptedModel:

@@ -50,3 +50,41 @@ def test_integer_rewards_are_accepted():
 def test_non_2d_rewards_raise():
     with pytest.raises(ValueError, match="2-D"):
         group_advantages(torch.tensor([1.0, 2.0]))
+
+
+def test_population_and_sample_std_by_hand():
+    rewards_PG = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
+    centred_PG = torch.tensor([[0.5, -0.5, -0.5, 0.5], [1.0, -1.0, 0.0, 0.0]])
+    # Squared deviations sum to 1 and 2: population variance 1/4 and 2/4, sample variance 1/3 and 2/3.
+    population_P1 = torch.tensor([[(1 / 4) ** 0.5], [(2 / 4) ** 0.5]])
+    sample_P1 = torch.tensor([[(1 / 3) ** 0.5], [(2 / 3) ** 0.5]])
+    torch.testing.assert_close(group_advantages(rewards_PG, eps=0.0, std="population"), centred_PG / population_P1)
+    torch.testing.assert_close(group_advantages(rewards_PG, eps=0.0, std="sample"), centred_PG / sample_P1)
+    assert torch.equal(group_advantages(rewards_PG), group_advantages(rewards_PG, std="population"))
+    # Without normalisation the estimator does not matter.
+    assert torch.equal(group_advantages(rewards_PG, normalize_std=False, std="sample"),
+                       group_advantages(rewards_PG, normalize_std=False))
+
+
+@pytest.mark.parametrize("group", [2, 3, 8, 16])
+def test_sample_std_is_torch_unbiased_std_and_population_is_sqrt_g_over_g_minus_1_larger(group):
+    rewards_PG = torch.rand(5, group, generator=torch.Generator().manual_seed(group))
+    centred_PG = rewards_PG - rewards_PG.mean(1, keepdim=True)
+    sample_PG = group_advantages(rewards_PG, eps=0.0, std="sample")
+    torch.testing.assert_close(sample_PG, centred_PG / torch.std(rewards_PG, dim=1, unbiased=True, keepdim=True))
+    torch.testing.assert_close(sample_PG, centred_PG / rewards_PG.std(1, keepdim=True))  # torch's default
+    population_PG = group_advantages(rewards_PG, eps=0.0, std="population")
+    torch.testing.assert_close(population_PG / sample_PG, torch.full_like(sample_PG, (group / (group - 1)) ** 0.5))
+    # Population: unit RMS per group whatever G; sample: sqrt((G-1)/G).
+    torch.testing.assert_close(population_PG.pow(2).mean(1), torch.ones(5))
+    torch.testing.assert_close(sample_PG.pow(2).mean(1), torch.full((5,), (group - 1) / group))
+
+
+def test_sample_std_keeps_constant_groups_and_groups_of_one_at_zero():
+    assert torch.equal(group_advantages(torch.tensor([[5.0], [-2.0]]), std="sample"), torch.zeros(2, 1))
+    assert torch.equal(group_advantages(torch.tensor([[0.1, 0.1, 0.1]]), std="sample"), torch.zeros(1, 3))
+
+
+def test_unknown_std_estimator_raises():
+    with pytest.raises(ValueError, match=r"unknown std estimator 'bessel'.*'population', 'sample'"):
+        group_advantages(torch.tensor([[1.0, 2.0]]), std="bessel")

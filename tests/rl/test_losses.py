@@ -1,6 +1,6 @@
 """graft.rl.losses: PPO-clip/GRPO maths, aggregations, masks, and a bit-for-bit reference.
 
-Shape suffixes: ``_B`` batch rows, ``_T`` tokens, ``_V`` vocabulary.
+Shape suffixes: ``_B`` batch rows, ``_T`` tokens.
 """
 
 import math
@@ -13,9 +13,6 @@ from graft.rl.losses import (
     AGGREGATIONS,
     grpo_loss,
     kl_k3,
-    ppo_clip_loss,
-    token_entropy,
-    token_logprobs,
     truncated_importance_weights,
 )
 
@@ -40,27 +37,17 @@ def _grpo(logprobs_BT, old_BT, ref_BT, entropy_BT, adv_B, mask_BT, agg, tis_BT=N
                      entropy_BT=entropy_BT, entropy_coef=ent, agg=agg, tis_weights_BT=tis_BT)
 
 
-def test_token_logprobs_and_entropy():
-    g = torch.Generator().manual_seed(0)
-    logits_BTV = torch.randn(2, 5, 11, generator=g).to(torch.bfloat16)
-    tokens_BT = torch.randint(0, 11, (2, 5), generator=g)
-    logprobs_BT = token_logprobs(logits_BTV, tokens_BT)
-    assert logprobs_BT.dtype == torch.float32
-    probs_BTV = torch.softmax(logits_BTV.double(), -1)
-    expected_BT = probs_BTV.gather(-1, tokens_BT[..., None]).squeeze(-1).log()
-    torch.testing.assert_close(logprobs_BT.double(), expected_BT, atol=1e-6, rtol=0)
-    entropy_BT = token_entropy(logits_BTV)
-    assert entropy_BT.dtype == torch.float32
-    torch.testing.assert_close(entropy_BT.double(), -(probs_BTV * probs_BTV.log()).sum(-1), atol=1e-5, rtol=0)
-    uniform = token_entropy(torch.zeros(1, 1, 11))
-    torch.testing.assert_close(uniform, torch.full((1, 1), math.log(11)))
+def _ppo(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps, agg):
+    """PPO-clip alone: the GRPO loss without KL, entropy or importance weights."""
+    return grpo_loss(logprobs_BT, old_BT, None, adv_B, mask_BT, clip_eps=clip_eps, kl_coef=0.0,
+                     entropy_BT=None, entropy_coef=0.0, agg=agg, tis_weights_BT=None)
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_gradient_at_ratio_one_is_minus_advantage_times_grad_logp(agg):
     _, old_BT, _, _, adv_B, mask_BT = _batch(1)
     logprobs_BT = old_BT.clone().requires_grad_(True)
-    loss, stats = ppo_clip_loss(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps=0.2, agg=agg)
+    loss, stats = _ppo(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps=0.2, agg=agg)
     loss.backward()
     # d loss / d logp_bt = -A_b * (aggregation weight of token bt).
     if agg == "token-mean":
@@ -68,7 +55,7 @@ def test_gradient_at_ratio_one_is_minus_advantage_times_grad_logp(agg):
     else:
         weight_BT = mask_BT.float() / mask_BT.sum(1, keepdim=True) / mask_BT.shape[0]
     torch.testing.assert_close(logprobs_BT.grad, -adv_B[:, None] * weight_BT)
-    assert stats == {"clip_fraction": 0.0, "ratio_mean": 1.0}
+    assert {k: stats[k] for k in ("clip_fraction", "ratio_mean")} == {"clip_fraction": 0.0, "ratio_mean": 1.0}
 
 
 def test_clipping_only_beyond_eps_in_the_direction_of_the_advantage():
@@ -78,7 +65,7 @@ def test_clipping_only_beyond_eps_in_the_direction_of_the_advantage():
     logprobs_BT = (old_BT + ratio_T.log()).requires_grad_(True)
     adv_B = torch.tensor([1.0, -1.0])
     mask_BT = torch.ones(2, 7, dtype=torch.bool)
-    loss, stats = ppo_clip_loss(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps=eps, agg="token-mean")
+    loss, stats = _ppo(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps=eps, agg="token-mean")
     loss.backward()
     grad_BT = logprobs_BT.grad
     # A > 0: the objective stops rewarding a ratio above 1+eps (zero gradient); below, never clipped.
@@ -103,8 +90,8 @@ def test_aggregations_match_hand_computed_values_and_differ_on_uneven_lengths():
     # Through the loss at ratio 1: every token of row b is -A_b.
     adv_B = torch.tensor([1.0, -3.0])
     zeros_BT = torch.zeros(2, 3)
-    token, _ = ppo_clip_loss(zeros_BT, zeros_BT, adv_B, mask_BT, clip_eps=0.2, agg="token-mean")
-    seq, _ = ppo_clip_loss(zeros_BT, zeros_BT, adv_B, mask_BT, clip_eps=0.2, agg="seq-mean-token-mean")
+    token, _ = _ppo(zeros_BT, zeros_BT, adv_B, mask_BT, clip_eps=0.2, agg="token-mean")
+    seq, _ = _ppo(zeros_BT, zeros_BT, adv_B, mask_BT, clip_eps=0.2, agg="seq-mean-token-mean")
     assert token.item() == pytest.approx(-(3 * 1.0 + 1 * -3.0) / 4)
     assert seq.item() == pytest.approx(-(1.0 - 3.0) / 2)
     assert token.item() != seq.item()
@@ -114,7 +101,7 @@ def test_unknown_aggregation_lists_registered_names():
     x_BT = torch.zeros(1, 2)
     mask_BT = torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="seq-mean-token-mean.*token-mean"):
-        ppo_clip_loss(x_BT, x_BT, torch.ones(1), mask_BT, clip_eps=0.2, agg="sum")
+        _ppo(x_BT, x_BT, torch.ones(1), mask_BT, clip_eps=0.2, agg="sum")
     with pytest.raises(ValueError, match="token-mean"):
         _grpo(x_BT, x_BT, None, None, torch.ones(1), mask_BT, "seq-sum", kl_coef=0.0, ent=0.0)
 

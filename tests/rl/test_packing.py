@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from graft.rl.losses import token_logprobs
+from graft.rl.logprobs import token_logprobs
 from graft.rl.packing import (
     block_diagonal_mask,
     next_token_targets,

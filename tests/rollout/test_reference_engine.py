@@ -18,6 +18,7 @@ from graft.lora.adapter_io import ADAPTER_WEIGHTS, load_adapter, save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model, load_tokenizer
 from graft.models.tiny import build_tiny_model
+from graft.rl.logprobs import sequence_logprobs
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
     BadRequestError,
@@ -26,7 +27,7 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
-from graft.rollout.reference import ReferenceEngine, sample_token, sequence_logprobs
+from graft.rollout.reference import ReferenceEngine, sample_token
 from tests.helpers import trained_like_peft_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)

@@ -1,8 +1,8 @@
-"""The rewards, their registry and score (CPU, pure Python)."""
+"""The rewards and their registry (CPU, pure Python)."""
 
 import pytest
 
-from graft.tasks import REWARDS, Example, get_reward, score
+from graft.tasks import REWARDS, Example, get_reward
 from graft.tasks.rewards import exact_numeric, exact_numeric_and_format, format_reward
 
 EX_81 = Example("What is 23 + 58? Answer with the number only.", "81")
@@ -74,10 +74,10 @@ def test_registry_and_get_reward():
 
 
 def test_score():
+    """Scoring a batch is one reward call per (completion, example) pair, as build_rollout_batch does."""
     examples = [EX_81, Example("q", "-5"), EX_81]
-    assert score(exact_numeric, ["81", "-5", "80"], examples) == [1.0, 1.0, 0.0]
-    assert score(get_reward("exact_numeric+format"), ["The answer is 81.", "-5", "no"], examples) == pytest.approx(
+    shaped = get_reward("exact_numeric+format")
+    assert [exact_numeric(c, ex) for c, ex in zip(["81", "-5", "80"], examples)] == [1.0, 1.0, 0.0]
+    assert [shaped(c, ex) for c, ex in zip(["The answer is 81.", "-5", "no"], examples)] == pytest.approx(
         [0.9, 1.0, 0.0]
     )
-    with pytest.raises(ValueError, match="2 completions but 3 examples"):
-        score(exact_numeric, ["81", "81"], examples)

@@ -44,3 +44,11 @@ def test_single_step_measures_the_engine_gap_from_the_loss_forward(base_dir):
     assert single["logprob_abs_diff_max"] == pytest.approx(with_old_pass["logprob_abs_diff_max"], abs=1e-6)
     assert single["logprob_abs_diff_max"] > 0
     assert single["ratio_mean"] == pytest.approx(1.0) and single["clip_fraction"] == 0.0
+
+
+def test_adv_std_reaches_the_advantages(base_dir):
+    """At ratio 1 the loss is linear in the advantages: the sample std scales it by sqrt((G-1)/G)."""
+    _, population = _forwards_and_metrics(base_dir, [])
+    _, sample = _forwards_and_metrics(base_dir, ["train.adv_std=sample"])
+    assert population["loss"] != 0
+    assert sample["loss"] == pytest.approx(population["loss"] * (2 / 3) ** 0.5, rel=1e-5)
