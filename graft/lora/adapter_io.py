@@ -78,8 +78,8 @@ def is_peft_adapter(path: str | os.PathLike) -> bool:
     return isinstance(config, dict) and config.get("peft_type") == "LORA" and (path / ADAPTER_WEIGHTS).is_file()
 
 
-def _check_savable(model: nn.Module) -> None:
-    """Refuse, before any collective, a model graft cannot write as a PEFT LoRA adapter.
+def _check_lora_model(model: nn.Module) -> None:
+    """Refuse, before any collective, a model graft cannot read or write as a PEFT LoRA adapter.
 
     LoRA on anything but nn.Linear (PEFT can adapt nn.Embedding and convolutions) is refused rather
     than written: PEFT names those tensors by another rule (`lora_embedding_A`, no `.weight`) and saves
@@ -111,9 +111,9 @@ def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None, 
             gathered, so this moves megabytes, not the base model.
 
     Raises:
-        AdapterError: see `_check_savable`.
+        AdapterError: see `_check_lora_model`.
     """
-    _check_savable(model)
+    _check_lora_model(model)
     dtype = dtype or model_dtype(model)
     return {peft_key(name): gather(param.detach()).to(device="cpu", dtype=dtype).contiguous()
             for name, param in lora_parameters(model).items()}
@@ -136,9 +136,9 @@ def adapter_config_dict(model: peft.PeftModel, base_model_name_or_path: str | No
     """PEFT's own `LoraConfig` as JSON (so every field PEFT and vLLM read is present), for inference.
 
     Raises:
-        AdapterError: see `_check_savable`.
+        AdapterError: see `_check_lora_model`.
     """
-    _check_savable(model)
+    _check_lora_model(model)
     config = model.peft_config[ADAPTER_NAME].to_dict()
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     config["target_modules"] = _short_target_modules(model) or config["target_modules"]
@@ -161,7 +161,7 @@ def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: to
             `adapter_state_dict`), and only the one with `write=True` (rank 0) writes.
 
     Raises:
-        AdapterError: see `_check_savable`.
+        AdapterError: see `_check_lora_model`.
         ValueError: `out_dir` exists and is not empty, and `overwrite` is False.
     """
     tensors = adapter_state_dict(model, dtype, gather=gather)
