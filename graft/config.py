@@ -64,15 +64,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _module_list(value: Any, allow_all_linear: bool) -> Any:
-    """Normalise a module-name setting: a plain string is ONE module name, never its characters."""
+ALL_LINEAR = "all-linear"
+
+
+def module_list(value: Any, *, allow_all_linear: bool) -> str | list[str]:
+    """Normalise a module-name setting: a plain string is ONE module name, never its characters.
+
+    The one normaliser of module lists: config validation and `graft.lora.attach` both use it.
+
+    Args:
+        allow_all_linear: "all-linear" stays the string (every linear layer), and an empty list,
+            which would adapt nothing, is refused.
+
+    Raises:
+        ValueError: not a string or a list/tuple of non-empty strings; an empty list of targets.
+    """
     if isinstance(value, str):
-        return value if allow_all_linear and value == "all-linear" else [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        return value if allow_all_linear and value == ALL_LINEAR else [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a module name or a list of module names (got {value!r})")
     if allow_all_linear and not value:
-        raise ValueError("must not be an empty list (use 'all-linear' to adapt every linear layer)")
-    return value
+        raise ValueError(f"must not be an empty list (use {ALL_LINEAR!r} to adapt every linear layer)")
+    return list(value)
 
 
 class ModelConfig(_Section):
@@ -106,12 +119,12 @@ class LoraConfig(_Section):
     @field_validator("target_modules", mode="before")
     @classmethod
     def _check_targets(cls, v: Any) -> Any:
-        return _module_list(v, allow_all_linear=True)
+        return module_list(v, allow_all_linear=True)
 
     @field_validator("exclude_modules", mode="before")
     @classmethod
     def _check_excludes(cls, v: Any) -> Any:
-        return _module_list(v, allow_all_linear=False)
+        return module_list(v, allow_all_linear=False)
 
 
 class RolloutConfig(_Section):

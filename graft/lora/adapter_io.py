@@ -3,6 +3,11 @@
 What we write loads with `peft.PeftModel.from_pretrained` and in vLLM; what PEFT writes loads here.
 Loading is strict: every file-level and tensor-level problem is found before any weight is copied,
 so a bad adapter never leaves a model half-updated. Weights are never pickled.
+
+Nothing here knows about process groups. On an FSDP2-sharded model the caller passes how to gather a
+parameter whole (`gather=graft.train.distributed.full_tensor`), how to lay a whole tensor out like a
+parameter (`place=graft.train.distributed.shard_like`) and whether this rank writes (`write=`); the
+defaults are the single-process ones.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import peft
 import safetensors
 import safetensors.torch
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from graft.atomic import atomic_dir
@@ -34,8 +41,26 @@ _PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt")
 _UNSUPPORTED = ("use_dora", "modules_to_save", "lora_bias", "layer_replication", "target_parameters")
 
 
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""A parameter -> its whole tensor (a collective under FSDP2)."""
+Place = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(whole tensor, parameter) -> the tensor laid out like the parameter (a collective under FSDP2)."""
+
+
 class AdapterError(ValueError):
     """A LoRA adapter directory that cannot be used, with the file or tensor at fault named."""
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """The default `Gather`: one process holds every parameter whole."""
+    assert not hasattr(param, "full_tensor"), "a sharded parameter: pass gather=graft.train.distributed.full_tensor"
+    return param
+
+
+def _as_is(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The default `Place`: one process holds every parameter whole."""
+    assert not hasattr(param, "device_mesh"), "a sharded parameter: pass place=graft.train.distributed.shard_like"
+    return full
 
 
 def peft_key(param_name: str) -> str:
@@ -53,19 +78,44 @@ def is_peft_adapter(path: str | os.PathLike) -> bool:
     return isinstance(config, dict) and config.get("peft_type") == "LORA" and (path / ADAPTER_WEIGHTS).is_file()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a possibly FSDP2-sharded (DTensor) parameter; a collective on DTensors."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+def _check_lora_model(model: nn.Module) -> None:
+    """Refuse, before any collective, a model graft cannot read or write as a PEFT LoRA adapter.
+
+    LoRA on anything but nn.Linear (PEFT can adapt nn.Embedding and convolutions) is refused rather
+    than written: PEFT names those tensors by another rule (`lora_embedding_A`, no `.weight`) and saves
+    the whole embedding matrix beside them, and graft's attach, merge and vLLM path are nn.Linear only,
+    so such an adapter could neither be served nor merged by graft.
+
+    Raises:
+        AdapterError: `model` is not a PEFT model with a LoRA adapter named `default`, or one of its
+            LoRA modules wraps something other than nn.Linear.
+    """
+    config = getattr(model, "peft_config", None) if isinstance(model, peft.PeftModel) else None
+    if not config or ADAPTER_NAME not in config or config[ADAPTER_NAME].peft_type != peft.PeftType.LORA:
+        raise AdapterError(f"{type(model).__name__} is not a PEFT model with a LoRA adapter {ADAPTER_NAME!r}: "
+                           "attach one with attach_lora or load_adapter first")
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), nn.Linear):
+            raise AdapterError(f"LoRA on {name} ({type(module.get_base_layer()).__name__}): graft reads and "
+                               "writes LoRA on nn.Linear modules only")
 
 
-def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None, *,
+                       gather: Gather = _whole) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names, gathered whole, contiguous, in `dtype`.
 
-    Only LoRA tensors are gathered, so under FSDP2 this moves megabytes, not the base model. Every
-    rank must call it (the gather is a collective).
+    Args:
+        dtype: default the base model's dtype (what the engine serves).
+        gather: a parameter -> its whole tensor; under FSDP2 `graft.train.distributed.full_tensor`,
+            and then EVERY rank must call this (the gather is a collective). Only LoRA tensors are
+            gathered, so this moves megabytes, not the base model.
+
+    Raises:
+        AdapterError: see `_check_lora_model`.
     """
-    dtype = dtype or model_dtype(model)  # the base's dtype: what the engine serves
-    return {peft_key(name): _full(param.detach()).to(device="cpu", dtype=dtype).contiguous()
+    _check_lora_model(model)
+    dtype = dtype or model_dtype(model)
+    return {peft_key(name): gather(param.detach()).to(device="cpu", dtype=dtype).contiguous()
             for name, param in lora_parameters(model).items()}
 
 
@@ -83,7 +133,12 @@ def _short_target_modules(model: peft.PeftModel) -> list[str] | None:
 
 
 def adapter_config_dict(model: peft.PeftModel, base_model_name_or_path: str | None = None) -> dict:
-    """PEFT's own `LoraConfig` as JSON (so every field PEFT and vLLM read is present), for inference."""
+    """PEFT's own `LoraConfig` as JSON (so every field PEFT and vLLM read is present), for inference.
+
+    Raises:
+        AdapterError: see `_check_lora_model`.
+    """
+    _check_lora_model(model)
     config = model.peft_config[ADAPTER_NAME].to_dict()
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     config["target_modules"] = _short_target_modules(model) or config["target_modules"]
@@ -94,19 +149,24 @@ def adapter_config_dict(model: peft.PeftModel, base_model_name_or_path: str | No
 
 
 def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                 base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+                 base_model_name_or_path: str | None = None, overwrite: bool = False,
+                 gather: Gather = _whole, write: bool = True) -> Path:
     """Write the adapter in PEFT format, atomically. Works on an FSDP2-sharded model.
 
     Args:
         dtype: dtype of the saved tensors; default the base model's dtype (what the engine serves).
         base_model_name_or_path: recorded in adapter_config.json; default the model's own.
         overwrite: replace an existing non-empty `out_dir`.
+        gather, write: under FSDP2 every rank calls this with `gather=full_tensor` (see
+            `adapter_state_dict`), and only the one with `write=True` (rank 0) writes.
 
-    Under torch.distributed every rank must call this; only rank 0 writes.
+    Raises:
+        AdapterError: see `_check_lora_model`.
+        ValueError: `out_dir` exists and is not empty, and `overwrite` is False.
     """
-    tensors = adapter_state_dict(model, dtype)
+    tensors = adapter_state_dict(model, dtype, gather=gather)
     out_dir = Path(out_dir)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not write:
         return out_dir
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         write_adapter_files(tensors, adapter_config_dict(model, base_model_name_or_path), tmp)
@@ -186,20 +246,22 @@ def _summarise(keys: set[str], limit: int = 4) -> str:
     return ", ".join(listed[:limit]) + more
 
 
-def load_adapter_weights(model: peft.PeftModel, path: str | os.PathLike) -> None:
+def load_adapter_weights(model: peft.PeftModel, path: str | os.PathLike, *, place: Place = _as_is) -> None:
     """Copy an adapter's weights into `model`'s LoRA parameters, strictly.
 
-    All checks run before the first copy, so on error the model is unchanged.
+    All checks run before the first copy, so on error the model is unchanged. Under FSDP2 every rank
+    calls this with `place=graft.train.distributed.shard_like` (a collective) and reads the files.
 
     Raises:
         AdapterError: see `read_adapter_config` and `read_adapter_tensors`; rank or alpha differ from
             the model's; a LoRA tensor is missing or unexpected; a shape differs from the module's.
     """
     path = Path(path)
-    _load_checked(model, path, read_adapter_config(path), read_adapter_tensors(path))
+    _load_checked(model, path, read_adapter_config(path), read_adapter_tensors(path), place)
 
 
-def _load_checked(model: peft.PeftModel, path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+def _load_checked(model: peft.PeftModel, path: Path, config: dict, tensors: dict[str, torch.Tensor],
+                  place: Place) -> None:
     _check_hyperparameters(model, config, path)
     params = {peft_key(n): p for n, p in lora_parameters(model).items()}
     missing, unexpected = params.keys() - tensors.keys(), tensors.keys() - params.keys()
@@ -215,22 +277,16 @@ def _load_checked(model: peft.PeftModel, path: Path, config: dict, tensors: dict
                                f"{tuple(tensor.shape)}, the base model needs {tuple(params[key].shape)}")
     with torch.no_grad():
         for key, tensor in tensors.items():
-            _copy_into(params[key], tensor)
-
-
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """param <- full, where param may be an FSDP2 shard (DTensor) of `full`."""
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements)
-    param.copy_(full)
+            params[key].copy_(place(tensor.to(params[key].dtype), params[key]))
 
 
 def load_adapter(base_model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) -> peft.PeftModel:
     """Attach the adapter at `path` to `base_model` (its own LoRA config) and load its weights strictly.
 
-    On error `base_model` is left without LoRA layers, as it was.
+    As `PeftModel.from_pretrained(..., is_trainable=trainable)`: not trainable, the model comes back in
+    eval mode, so LoRA dropout is off and the logits are deterministic and equal PEFT's; trainable, the
+    modes are left as PEFT leaves them (the new LoRA modules in training mode). On error `base_model`
+    is left without LoRA layers, as it was.
 
     Raises:
         AdapterError: the adapter is unusable (see `load_adapter_weights`) or names a target module
@@ -247,8 +303,8 @@ def load_adapter(base_model: nn.Module, path: str | os.PathLike, *, trainable: b
     lora_config.inference_mode = not trainable
     model = peft.get_peft_model(base_model, lora_config, adapter_name=ADAPTER_NAME)
     try:
-        _load_checked(model, path, config, tensors)
+        _load_checked(model, path, config, tensors, _as_is)
     except AdapterError:
         model.unload()
         raise
-    return model
+    return model if trainable else model.eval()

@@ -14,17 +14,17 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from graft.config import ALL_LINEAR, module_list
+
 ADAPTER_NAME = "default"
-ALL_LINEAR = "all-linear"
 
 
-def _as_names(modules: str | Sequence[str] | None) -> list[str]:
-    """A module list from config; a plain string is ONE module name, never a sequence of characters."""
-    if modules is None:
-        return []
-    if isinstance(modules, str):
-        return [modules]
-    return list(modules)
+def _names(what: str, modules: str | Sequence[str], *, allow_all_linear: bool = False) -> str | list[str]:
+    """`module_list` with the argument named in its error."""
+    try:
+        return module_list(modules, allow_all_linear=allow_all_linear)
+    except ValueError as e:
+        raise ValueError(f"{what} {e}") from None
 
 
 def _matches(module_name: str, key: str) -> bool:
@@ -45,7 +45,8 @@ def check_target_modules(model: nn.Module, target_modules: str | Sequence[str],
     """
     named = dict(model.named_modules())
     linear_suffixes = sorted({n.rsplit(".", 1)[-1] for n, m in named.items() if isinstance(m, nn.Linear)})
-    targets = [] if target_modules == ALL_LINEAR else _as_names(target_modules)
+    # An empty target list passes here: an adapter config may leave PEFT to infer the targets.
+    targets = [] if target_modules == ALL_LINEAR else _names("target_modules", target_modules)
     for key in targets:
         hits = [n for n in named if _matches(n, key)]
         if not hits:
@@ -55,7 +56,7 @@ def check_target_modules(model: nn.Module, target_modules: str | Sequence[str],
         if not_linear:
             raise ValueError(f"target module {key!r} matches {not_linear[0]} "
                              f"({type(named[not_linear[0]]).__name__}); graft puts LoRA on nn.Linear only")
-    for key in _as_names(exclude_modules):
+    for key in _names("exclude_modules", exclude_modules):
         if not any(_matches(n, key) for n in named):
             raise ValueError(f"unknown exclude module {key!r}: {type(model).__name__} has no module named so")
 
@@ -73,13 +74,14 @@ def attach_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0
         seed: seeds the global RNG right before PEFT initialises lora_A, for reproducibility.
 
     Raises:
-        ValueError: a target or exclude module does not exist (see `check_target_modules`).
+        ValueError: a target or exclude module does not exist (see `check_target_modules`), or
+            `target_modules` is an empty list.
     """
     check_target_modules(model, target_modules, exclude_modules)
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-        target_modules=ALL_LINEAR if target_modules == ALL_LINEAR else _as_names(target_modules),
-        exclude_modules=_as_names(exclude_modules) or None,
+        target_modules=_names("target_modules", target_modules, allow_all_linear=True),
+        exclude_modules=_names("exclude_modules", exclude_modules) or None,
     )
     if seed is not None:
         torch.manual_seed(seed)

@@ -40,7 +40,7 @@ from graft.lora.adapter_io import (
     write_adapter_files,
 )
 from graft.lora.attach import lora_parameters
-from graft.train.distributed import full_tensor
+from graft.train.distributed import full_tensor, shard_like
 
 CHECKPOINT_PREFIX = "step-"
 ADAPTER_DIR = "adapter"
@@ -85,7 +85,8 @@ def save_checkpoint(checkpoints_dir: Path, model: peft.PeftModel, optimizer: tor
         trainer_json = json.dumps(trainer_state, indent=2, sort_keys=True) + "\n"
     except (TypeError, ValueError) as e:
         raise ValueError(f"trainer_state is not JSON-serialisable: {e}") from None
-    adapter = adapter_state_dict(model, torch.float32)  # fp32 even on a bf16 base: resume must be exact
+    # fp32 even on a bf16 base: resume must be exact
+    adapter = adapter_state_dict(model, torch.float32, gather=full_tensor)
     optimizer_meta, optimizer_tensors = _optimizer_files(model, optimizer)
     if not write:
         return None
@@ -134,7 +135,8 @@ def load_checkpoint(path: Path, model: peft.PeftModel, optimizer: torch.optim.Op
     rng = _read_rng(path)
     optimizer_state = _read_optimizer(path, model, optimizer)
     try:
-        load_adapter_weights(model, path / ADAPTER_DIR)  # strict: checks everything before the first copy
+        # strict: checks everything before the first copy
+        load_adapter_weights(model, path / ADAPTER_DIR, place=shard_like)
     except AdapterError as e:
         raise CheckpointError(str(e)) from None
     optimizer.load_state_dict(optimizer_state)
@@ -249,11 +251,7 @@ def _placed(value: Any, param: torch.Tensor, where: str) -> Any:
         return value  # e.g. AdamW's step: a plain scalar tensor on every rank
     if value.shape != param.shape:
         raise CheckpointError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(value, param.device_mesh, param.placements)
-    return value
+    return shard_like(value, param)
 
 
 # --- LoRA config, files ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Distributed plumbing for the trainer: process group, FSDP2 sharding, batch broadcast, LoRA gather.
+"""Distributed plumbing for the trainer: process group, FSDP2 sharding, batch broadcast, gather/scatter.
 
 `torchrun --nproc-per-node N graft train CONFIG` starts N ranks. Rank 0 alone talks to the engines
 (rollouts, sync, verification) and writes the run directory; every rank holds a shard of the model
@@ -173,3 +173,13 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a possibly FSDP2-sharded (DTensor) one; a collective on DTensors."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `like`: this rank's shard of it when `like` is an FSDP2 DTensor (a collective:
+    every rank calls it with the same `full`), else `full` itself. The inverse of `full_tensor`."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements)

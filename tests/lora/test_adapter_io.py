@@ -92,6 +92,42 @@ def test_save_refuses_to_overwrite_and_a_failed_save_leaves_nothing(saved_adapte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
+def _modes(model) -> dict[str, bool]:
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def test_load_adapter_with_dropout_matches_peft_from_pretrained(tiny_model_dirs, tmp_path, input_ids):
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"], dropout=0.5)
+    save_adapter(model, tmp_path / "adapter")
+    loaded = load_adapter(load_model(tiny_model_dirs["qwen2"]), tmp_path / "adapter")
+    peft_model = peft.PeftModel.from_pretrained(load_model(tiny_model_dirs["qwen2"]), tmp_path / "adapter")
+    assert _modes(loaded) == _modes(peft_model) and not any(_modes(loaded).values())
+    first = _logits(loaded, input_ids)
+    assert torch.equal(first, _logits(loaded, input_ids))  # dropout off: deterministic
+    assert torch.equal(first, _logits(peft_model, input_ids))
+    # Trainable, modes are left as PEFT's is_trainable=True leaves them (LoRA dropout on).
+    loaded = load_adapter(load_model(tiny_model_dirs["qwen2"]), tmp_path / "adapter", trainable=True)
+    peft_model = peft.PeftModel.from_pretrained(load_model(tiny_model_dirs["qwen2"]), tmp_path / "adapter",
+                                                is_trainable=True)
+    assert _modes(loaded) == _modes(peft_model) and loaded.training
+    assert all(p.requires_grad for p in lora_parameters(loaded).values())
+
+
+def test_save_without_lora_is_one_clear_error(tiny_model_dirs, tmp_path):
+    with pytest.raises(AdapterError, match="Qwen2ForCausalLM is not a PEFT model with a LoRA adapter 'default'"):
+        save_adapter(load_model(tiny_model_dirs["qwen2"]), tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_save_refuses_lora_on_an_embedding(tiny_model_dirs, tmp_path):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(load_model(tiny_model_dirs["qwen2"]), config)
+    with pytest.raises(AdapterError, match=r"LoRA on base_model\.model\.model\.embed_tokens \(Embedding\): "
+                                           "graft reads and writes LoRA on nn.Linear modules only"):
+        save_adapter(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_is_peft_adapter(saved_adapter, tiny_model_dirs, tmp_path):
     assert is_peft_adapter(saved_adapter[1])
     assert not is_peft_adapter(tiny_model_dirs["qwen2"])

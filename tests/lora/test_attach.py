@@ -38,6 +38,16 @@ def test_single_string_target_is_one_module_name(tiny_model_dirs):
     assert _adapted_leaves(model) == {"q_proj"}
 
 
+def test_module_lists_are_normalised_like_the_config(tiny_model_dirs):
+    model = attach_lora(load_model(tiny_model_dirs["qwen2"]), rank=4, alpha=8, target_modules=("q_proj", "v_proj"),
+                        exclude_modules="model.layers.1.self_attn.v_proj")  # a string: one name, not characters
+    assert len(list(lora_modules(model))) == 3
+    with pytest.raises(ValueError, match="target_modules must not be an empty list"):
+        attach_lora(load_model(tiny_model_dirs["qwen2"]), rank=4, alpha=8, target_modules=[])
+    with pytest.raises(ValueError, match="exclude_modules must be a module name or a list of module names"):
+        attach_lora(load_model(tiny_model_dirs["qwen2"]), rank=4, alpha=8, exclude_modules=[3])
+
+
 @pytest.mark.parametrize("targets", [["q_proj", "qkv_proj"], "mlp_in"])
 def test_unknown_target_module_is_named(tiny_model_dirs, targets):
     model = load_model(tiny_model_dirs["qwen2"])

@@ -1,11 +1,11 @@
-"""Tiny local models, the local tokenizer and the loading helpers."""
+"""Tiny local models and the local tokenizer (loading them: tests/models/test_loading.py)."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from graft.models.loading import load_model, load_tokenizer, model_dtype, resolve_dtype
+from graft.models.loading import load_tokenizer
 from graft.models.tiny import ARCHS, VLLM_CPU_HEAD_DIMS, build_tiny_model, tiny_config
 from graft.models.tokenizer import IM_END, IM_START, PAD_TOKEN, train_tokenizer
 
@@ -188,36 +188,3 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         build_tiny_model(tmp_path / "m", **TINY)
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize(
-    "name, dtype",
-    [("float32", torch.float32), ("fp32", torch.float32), ("bfloat16", torch.bfloat16),
-     ("bf16", torch.bfloat16), ("float16", torch.float16), ("fp16", torch.float16)],
-)
-def test_resolve_dtype(name, dtype):
-    assert resolve_dtype(name) is dtype
-
-
-@pytest.mark.parametrize("name", ["float64", "int8", "FP32", ""])
-def test_resolve_dtype_rejects_unknown(name):
-    with pytest.raises(ValueError, match="allowed.*bfloat16"):
-        resolve_dtype(name)
-
-
-def test_load_model_in_bf16_eval_mode(qwen2_dir):
-    model = load_model(qwen2_dir, dtype="bf16")
-    assert model_dtype(model) is torch.bfloat16
-    assert not model.training
-
-
-def test_model_dtype_follows_the_bulk_of_weights():
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 2))
-    assert model_dtype(model) is torch.bfloat16
-
-
-def test_load_model_rejects_missing_or_non_model_dir(tmp_path):
-    with pytest.raises(ValueError, match="nope"):
-        load_model(tmp_path / "nope")
-    with pytest.raises(ValueError, match="config.json"):
-        load_model(tmp_path)

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import fully_shard
 
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, load_adapter_weights, save_adapter
 from graft.lora.attach import lora_parameters
+from graft.train.distributed import full_tensor, shard_like
 from tests.helpers import trained_like_peft_model
 
 WORLD = 2
@@ -22,15 +23,15 @@ def _rank_main(rank: int, model_dir, out_dir, init_file) -> None:
             fully_shard(layer)
         fully_shard(model)
         assert any(hasattr(p, "full_tensor") for p in lora_parameters(model).values())
-        save_adapter(model, out_dir / "sharded")
+        save_adapter(model, out_dir / "sharded", gather=full_tensor, write=rank == 0)
         dist.barrier()
         # Loading back into the sharded model distributes each tensor to its shard.
         reloaded = trained_like_peft_model(model_dir, seed=99)
         for layer in reloaded.get_base_model().model.layers:
             fully_shard(layer)
         fully_shard(reloaded)
-        load_adapter_weights(reloaded, out_dir / "sharded")
-        save_adapter(reloaded, out_dir / "reloaded")
+        load_adapter_weights(reloaded, out_dir / "sharded", place=shard_like)
+        save_adapter(reloaded, out_dir / "reloaded", gather=full_tensor, write=rank == 0)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,84 @@
+"""graft.models.loading: dtype names, model directories, models and tokenizers, a model's dtype."""
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from graft.lora.attach import attach_lora
+from graft.models.loading import load_model, load_tokenizer, model_dtype, require_model_dir, resolve_dtype
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("float32", torch.float32), ("fp32", torch.float32), ("bfloat16", torch.bfloat16),
+     ("bf16", torch.bfloat16), ("float16", torch.float16), ("fp16", torch.float16)],
+)
+def test_resolve_dtype(name, dtype):
+    assert resolve_dtype(name) is dtype
+
+
+@pytest.mark.parametrize("name", ["float64", "int8", "FP32", ""])
+def test_resolve_dtype_rejects_unknown(name):
+    with pytest.raises(ValueError, match="allowed.*bfloat16"):
+        resolve_dtype(name)
+
+
+def test_require_model_dir(tiny_model_dirs, tmp_path):
+    assert require_model_dir(str(tiny_model_dirs["qwen2"])) == tiny_model_dirs["qwen2"]
+    with pytest.raises(ValueError, match="does not exist"):
+        require_model_dir(tmp_path / "nope")
+    (tmp_path / "config.json").mkdir()  # a directory named config.json is not a config file
+    with pytest.raises(ValueError, match="has no config.json"):
+        require_model_dir(tmp_path)
+
+
+def test_load_model_in_bf16_eval_mode(tiny_model_dirs):
+    model = load_model(tiny_model_dirs["qwen2"], dtype="bf16")
+    assert model_dtype(model) is torch.bfloat16
+    assert not model.training
+
+
+@pytest.mark.parametrize("dtype, expected", [("float32", torch.float32), ("float16", torch.float16)])
+def test_load_model_dtype_applies_to_every_weight(tiny_model_dirs, dtype, expected):
+    model = load_model(tiny_model_dirs["llama"], dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {expected}
+    assert not any(m.training for m in model.modules())
+
+
+def test_load_model_rejects_missing_or_non_model_dir(tmp_path):
+    with pytest.raises(ValueError, match="nope"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_load_model_rejects_an_unknown_dtype(tiny_model_dirs):
+    with pytest.raises(ValueError, match="unknown dtype 'float64'"):
+        load_model(tiny_model_dirs["qwen2"], dtype="float64")
+
+
+def test_load_tokenizer(tiny_model_dirs, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dirs["qwen2"])
+    assert isinstance(tokenizer, PreTrainedTokenizerBase)
+    assert tokenizer.decode(tokenizer("12 + 7")["input_ids"]) == "12 + 7"
+    with pytest.raises(ValueError, match="tokenizer directory .*nope does not exist"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_model_dtype_follows_the_bulk_of_weights():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 2))
+    assert model_dtype(model) is torch.bfloat16
+
+
+def test_model_dtype_of_a_bf16_base_with_fp32_lora_is_bf16(tiny_model_dirs):
+    model = attach_lora(load_model(tiny_model_dirs["qwen2"], dtype="bfloat16"), rank=4, alpha=8)
+    assert {p.dtype for n, p in model.named_parameters() if ".lora_" in n} == {torch.float32}
+    assert model_dtype(model) is torch.bfloat16
+
+
+def test_model_dtype_ignores_integer_parameters_and_needs_float_weights():
+    model = torch.nn.Embedding(4, 2).to(torch.float16)
+    model.register_parameter("count", torch.nn.Parameter(torch.zeros(1000, dtype=torch.int64), requires_grad=False))
+    assert model_dtype(model) is torch.float16
+    with pytest.raises(AssertionError, match="no floating-point parameters"):
+        model_dtype(torch.nn.ReLU())
