@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import peft
 import torch
 
 from graft.config import GraftConfig
-from graft.lora.attach import attach_lora, lora_parameters
-from graft.models.loading import load_model
+from graft.lora.attach import lora_parameters
+from graft.lora.policy import build_policy
 from graft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from graft.train.distributed import Dist, broadcast_batch, full_tensor, shard_model
 from graft.train.rollout_batch import RolloutBatch
@@ -31,13 +30,6 @@ def learning_rate(config: GraftConfig, step: int) -> float:
     return config.train.lr * (min(1.0, step / warmup) if warmup else 1.0)
 
 
-def _build_policy(config: GraftConfig) -> peft.PeftModel:
-    lora = config.lora
-    return attach_lora(load_model(config.model.path, dtype=config.model.dtype), rank=lora.rank,
-                       alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
-                       exclude_modules=lora.exclude_modules, seed=config.train.seed)
-
-
 class PolicyState:
     """Model, publish copy, optimizer and the run's position (`step`, `version`) on one rank.
 
@@ -52,11 +44,11 @@ class PolicyState:
     def __init__(self, config: GraftConfig, run_dir: Path, ctx: Dist, pad_id: int, resume: bool) -> None:
         self.config, self.ctx, self.pad_id = config, ctx, pad_id
         self.checkpoints = run_dir / "checkpoints"
-        self.model = _build_policy(config).to(ctx.device)
+        self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
         shard_model(self.model, ctx)
         # Rank 0 publishes and verifies from an unsharded copy that receives the LoRA weights after
         # each step (a LoRA-only gather); with one rank the model itself.
-        self.publish_model = _build_policy(config) if ctx.active and ctx.is_main else self.model
+        self.publish_model = build_policy(config.model, config.lora, config.train.seed) if ctx.active and ctx.is_main else self.model
         self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
         self.step, self.version = 0, 0
         found = latest_checkpoint(self.checkpoints)

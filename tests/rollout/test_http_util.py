@@ -1,11 +1,14 @@
-"""graft.rollout.http_util: the server's own words from any error body; gather that cancels siblings."""
+"""graft.rollout.http_util: the server's own words from any error body; gather that cancels siblings;
+the clients' one sender (only a failed connect is retried) and status-to-error fallback."""
 
 import asyncio
 import json
 
+import httpx
 import pytest
 
-from graft.rollout.http_util import gather_cancel_on_error, server_message
+from graft.rollout.engine import BadRequestError, EngineError, EngineUnavailableError
+from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
 
 DETAIL = [{"loc": ["body", "lora_name"], "msg": "field required"}]
 
@@ -62,3 +65,49 @@ def test_gather_cancels_and_awaits_siblings_on_error():
     seen, unfinished = asyncio.run(run())
     assert sorted(seen) == ["e0 cancelled", "e2 cancelled"]  # cancelled, and awaited before the raise
     assert not unfinished  # nothing orphaned
+
+
+def _send_through(handler, retries=2):
+    async def go():
+        async with httpx.AsyncClient(base_url="http://engine.test", transport=httpx.MockTransport(handler)) as http:
+            return await send(http, "POST", "/x", address="http://engine.test", retries=retries, backoff_s=0.001,
+                              timeout_s=5, json={"a": 1})
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("failure", [httpx.ConnectError, httpx.ConnectTimeout])
+def test_send_retries_only_a_failed_connect_then_gives_up_naming_the_attempts(failure):
+    attempts = []
+
+    def handler(request):
+        attempts.append(json.loads(request.content))
+        if len(attempts) < 3:
+            raise failure("nothing reached the server", request=request)
+        return httpx.Response(500, text="boom")
+
+    assert _send_through(handler).status_code == 500  # an HTTP status is the caller's to map, never retried
+    assert attempts == [{"a": 1}] * 3
+    attempts.clear()
+    with pytest.raises(EngineUnavailableError, match="cannot connect after 2 attempt"):
+        _send_through(handler, retries=1)
+
+
+@pytest.mark.parametrize("failure, words", [(httpx.ReadTimeout, "no answer within 5 s"),
+                                            (httpx.RemoteProtocolError, "RemoteProtocolError")])
+def test_send_never_retries_once_the_request_may_have_been_served(failure, words):
+    attempts = []
+
+    def handler(request):
+        attempts.append(1)
+        raise failure("lost after sending", request=request)
+
+    with pytest.raises(EngineUnavailableError, match=words):
+        _send_through(handler)
+    assert attempts == [1]
+
+
+@pytest.mark.parametrize("status, cls", [(400, BadRequestError), (404, BadRequestError), (422, BadRequestError),
+                                         (429, EngineUnavailableError), (500, EngineUnavailableError),
+                                         (503, EngineUnavailableError), (302, EngineError)])
+def test_error_class_for_status(status, cls):
+    assert error_class_for_status(status) is cls
