@@ -1,0 +1,135 @@
+"""Loading a run's config: one YAML file plus dotted command-line overrides, validated once.
+
+A run is described by one YAML file plus dotted command-line overrides (`lora.rank=16`). Every
+mistake a user can make here (unknown key, wrong type, out-of-range value, settings that cannot
+work together) raises `ConfigError` before anything expensive starts, with one message that names
+the full dotted key, e.g. `unknown config key 'lora.rnak' (in run.yaml)`.
+
+Override values are parsed as YAML, so `16` is an int, `true` a bool, `[q_proj,v_proj]` a list
+and `all-linear` a string. `key=` with nothing after `=` sets the key to null, as an empty YAML
+value does (`key=''` gives the empty string). A section that is null in the file (all its keys
+commented out) means that section's defaults.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from graft.atomic import atomic_write_text
+from graft.config.schema import ConfigError, GraftConfig
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
+
+
+def _format_errors(e: ValidationError, file: str | None, overrides: Sequence[str]) -> str:
+    """One line per pydantic error, pydantic boilerplate removed, each naming its full dotted key
+    and where the value came from (an override, else the file)."""
+    lines = []
+    for err in e.errors(include_url=False):
+        key = _dotted(err["loc"])
+        cause = err.get("ctx", {}).get("error")
+        if err["type"] == "extra_forbidden":
+            line = f"unknown config key '{key}'"
+        elif isinstance(cause, ConfigError):  # cross-field checks already name their keys
+            line = str(cause)
+        elif cause is not None:  # ValueError from a field validator
+            line = f"{key}: {cause}"
+        else:
+            got = repr(err["input"])
+            line = f"{key}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})"
+        keys = cause.keys if isinstance(cause, ConfigError) else (key,)
+        lines.append(line + _origin(keys, file, overrides))
+    return "\n".join(lines)
+
+
+def _origin(keys: Sequence[str], file: str | None, overrides: Sequence[str]) -> str:
+    """Where the values of `keys` came from: the overrides that set them (the last one per key
+    wins) and/or the file; empty when neither (defaults only)."""
+    used, from_file = [], False
+    for key in keys:
+        origin = next((o for o in reversed(overrides) if _override_covers(o, key)), None)
+        if origin is None:
+            from_file = True
+        elif origin not in used:
+            used.append(origin)
+    parts = ["from override " + ", ".join(f"'{o}'" for o in used)] if used else []
+    if from_file and file is not None:
+        parts.append(f"in {file}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _override_covers(override: str, key: str) -> bool:
+    okey = override.split("=", 1)[0].strip()
+    return key == okey or key.startswith(okey + ".") or key.startswith(okey + "[")
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `dotted.key=value` in the nested dict, creating missing sections on the way."""
+    key, sep, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"bad override {override!r}: expected dotted.key=value, e.g. lora.rank=16")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"bad override {override!r}: value is not valid YAML ({e})") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None:
+            node[part] = {}
+        if not isinstance(node[part], dict):
+            path = ".".join(parts[: i + 1])
+            raise ConfigError(f"bad override {override!r}: '{path}' is {node[part]!r}, not a section of keys")
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> GraftConfig:
+    """Build the run config from an optional YAML file, then dotted overrides (which win).
+
+    Args:
+        path: YAML file; None = defaults only.
+        overrides: `dotted.key=value` strings; values parsed as YAML, `key=` sets null.
+
+    Raises:
+        ConfigError: missing/unparsable file, malformed override, unknown key, bad value, or
+            settings that cannot work together.
+    """
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if v is not None}  # `lora:` with nothing under it = defaults
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return GraftConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, None if path is None else str(path), overrides)) from None
+
+
+def config_to_yaml(cfg: GraftConfig) -> str:
+    """The config as YAML, sections and keys in declaration order, every value explicit."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: GraftConfig, path: str | Path) -> None:
+    """Write `cfg` as YAML atomically, so a crash never leaves a half-written config in a run dir."""
+    atomic_write_text(path, config_to_yaml(cfg))
