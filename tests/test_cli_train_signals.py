@@ -1,0 +1,75 @@
+"""A `graft train` that launched its own vLLM server leaves no server process behind when it is
+stopped from outside: SIGTERM (how Slurm, docker and systemd stop a job) unwinds like Ctrl-C and
+stops the server; after SIGKILL (or the OOM killer) the server notices its owner is gone and stops
+its whole process group. Each case starts a real vLLM server of its own (~40-70 s)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import live_group_members
+
+
+def _children_running(module: str, parent: int) -> list[int]:
+    """Pids of processes started with `python -m module` whose parent is `parent`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and module.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, sig):
+    run_dir = tmp_path / "run"
+    overrides = [f"model.path={base_dir}", "rollout.engine=vllm", "rollout.max_lora_rank=8", "train.steps=10000",
+                 "train.batch_prompts=2", "rollout.n_samples=2", "rollout.max_new_tokens=4", "train.eval_examples=4"]
+    command = [sys.executable, "-m", "graft.cli", "train", "--run-dir", str(run_dir)]
+    for override in overrides:
+        command += ["-o", override]
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr_file:  # a file, not a pipe: a full pipe would block the trainer
+        trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file)
+    try:
+        (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm_entry", trainer.pid), 60,
+                              "the trainer to launch vLLM")
+        pgid = os.getpgid(server)
+        # Mid-run: the first steps are in metrics.jsonl.
+        _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text(), 240,
+                  "the first training step")
+        assert live_group_members(pgid)
+        trainer.send_signal(sig)
+        returncode = trainer.wait(timeout=60)
+        stderr = stderr_path.read_text()
+        _wait_for(lambda: not live_group_members(pgid), 30, f"the vLLM process group {pgid} to exit")
+    finally:
+        trainer.kill()
+        trainer.wait()
+    if sig == signal.SIGTERM:
+        assert returncode == 143, stderr[-2000:]
+        assert "graft: terminated (SIGTERM)" in stderr and "Traceback" not in stderr
+    else:
+        assert returncode == -signal.SIGKILL
