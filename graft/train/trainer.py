@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from graft.config import GraftConfig, is_loopback_url, save_config
 from graft.evaluation import evaluate
+from graft.lora.attach import count_parameters
 from graft.models.loading import load_tokenizer
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.factory import open_engine
@@ -69,6 +70,9 @@ class _Leader:
         await sync(policy.publish_model, policy.version, step=policy.step)
         if first_step == 1:
             log.add_eval(0, await self._evaluate())
+        trainable, total = count_parameters(policy.publish_model)
+        print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
+              f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
         producer = RolloutProducer(self._make_batch, max_staleness=config.rollout.max_staleness,
                                    first_step=first_step, last_step=train.steps, version=policy.version)
         async with producer:
