@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from graft.config import GraftConfig
-from graft.lora.adapter_io import read_adapter_config
+from graft.lora.adapter_io import read_adapter_config, read_adapter_tensors
 from graft.models.loading import load_tokenizer
-from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.factory import open_engine
 from graft.tasks.examples import Example, load_task_data, render_prompt_ids
 from graft.tasks.rewards import exact_numeric
@@ -37,6 +37,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     """
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)  # a clear error before any server starts
+        read_adapter_tensors(adapter_dir)  # NaN/inf weights never reach a (possibly shared) server
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
@@ -45,7 +46,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
         adapter = None
         if adapter_dir is not None:
             adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"
-            await engine.load_adapter(adapter, str(Path(adapter_dir).resolve()))
+            await _load_replacing(engine, adapter, str(Path(adapter_dir).resolve()))
         try:
             accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens)
         finally:
@@ -53,3 +54,12 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
                 await engine.unload_adapter(adapter)
     return {"accuracy": accuracy, "examples": len(examples), "adapter": str(adapter_dir) if adapter_dir else None,
             "model": config.model.path, "seconds": time.perf_counter() - start}
+
+
+async def _load_replacing(engine: RolloutEngine, name: str, path: str) -> None:
+    """Load `path` as `name`; a `name` left loaded by a killed `graft eval` is unloaded first."""
+    try:
+        await engine.load_adapter(name, path)
+    except AdapterAlreadyLoadedError:
+        await engine.unload_adapter(name)
+        await engine.load_adapter(name, path)

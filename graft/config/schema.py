@@ -221,6 +221,10 @@ class TrainConfig(_Section):
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup over this many steps.")
+    on_nonfinite: Literal["error", "skip"] = Field(
+        "error", description="An optimizer step whose gradient norm is NaN/inf: 'error' stops the run with one "
+        "line (nothing is published, the engines keep the last good version); 'skip' drops that step and "
+        "counts it in metrics (skipped_nonfinite_steps).")
     checkpoint_every: int = Field(
         0, ge=0, description="Save RUN_DIR/checkpoints/step-N every N steps (and at the end); 0 = only at the end."
     )

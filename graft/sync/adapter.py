@@ -16,6 +16,12 @@ One `sync(model, version, step)` per optimizer step, in this order:
 4. retire what is still outside the window (with `keep_versions == 1`: the previous version).
 5. disk: `garbage_collect(protect=loaded)`, so no directory an engine still references is removed.
 
+Before the first sync, adapters named `<lora.name>-v*` that this run did not load are unloaded
+(one warning line names them): they are what a killed or failed run with the same `lora.name`
+left on a server the user runs, and would otherwise make this run's load of the same version
+fail with "has already been loaded" (the rerun and `--resume` were blocked until a manual unload).
+`lora.name` is the run's identity on the server: two live runs must not share it.
+
 Retiring a version: if `InFlightVersions` counts no request on it, it is unloaded at once;
 otherwise a background task waits for `inflight.wait_idle(v)` and unloads it then, as soon as its
 last request finishes rather than at the next sync (so the slot frees early and step 2 can wait
@@ -44,7 +50,7 @@ import peft
 
 from graft.lora.adapter_io import adapter_config_dict, adapter_state_dict, write_adapter_files
 from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
-from graft.rollout.pool import PoolBroadcastError
+from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.sync.inflight import InFlightVersions
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
@@ -141,6 +147,8 @@ class AdapterSync:
         async with self._lock:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(f"version {version} is not above the last synced version {self._last_version}")
+            if self._last_version is None:
+                await self._unload_stale()
             start = time.perf_counter()
             tensors, config = adapter_state_dict(model), adapter_config_dict(model)
             published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
@@ -166,6 +174,25 @@ class AdapterSync:
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
                               publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
                               bytes=published.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
+
+    async def _unload_stale(self) -> None:
+        """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
+        if isinstance(self._engine, EnginePool):  # on any member, not only those on all of them
+            names = set().union(*(await self._engine.adapters_by_engine()).values())
+        else:
+            names = set(await self._engine.list_adapters())
+        stale = sorted((n for n in names if adapter_version(self._lora_name, n) is not None),
+                       key=lambda n: adapter_version(self._lora_name, n))
+        if not stale:
+            return
+        self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
+                          len(stale), self._lora_name, ", ".join(stale))
+        for name in stale:
+            try:
+                await self._engine.unload_adapter(name)
+            except EngineError as error:
+                if not _already_gone(error):
+                    raise
 
     async def engine_adapters(self) -> list[str]:
         """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from graft.config import GraftConfig
 from graft.rollout.engine import RolloutEngine
+from graft.sync.guard import check_finite_policy
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
@@ -48,7 +49,12 @@ class PolicySync:
         return None if self.version is None else self.request_adapter(self.version)
 
     async def __call__(self, model: nn.Module, version: int, step: int) -> dict:
-        """Publish `model` as `version`, apply it to every engine, verify; the step's sync metrics."""
+        """Publish `model` as `version`, apply it to every engine, verify; the step's sync metrics.
+
+        Raises:
+            NonFinitePolicyError: `model` is not finite (nothing is published; see graft.sync.guard).
+        """
+        check_finite_policy(model, version)
         result = await self.mode.sync(model, version, step)
         self.version = version
         gap, verify_seconds = None, 0.0

@@ -64,44 +64,53 @@ class _Leader:
 
     async def run(self) -> dict:
         config, train, policy, sync = self.config, self.config.train, self.policy, self.sync
-        log = MetricsLog(self.run_dir, keep_through_step=policy.step)
+        self.log = MetricsLog(self.run_dir, keep_through_step=policy.step)
         first_step = policy.step + 1
-        sync.discard_from(policy.version)  # what an earlier (interrupted) run published from here on
-        await sync(policy.publish_model, policy.version, step=policy.step)
-        if first_step == 1:
-            log.add_eval(0, await self._evaluate())
-        trainable, total = count_parameters(policy.publish_model)
-        print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
-              f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
-        producer = RolloutProducer(self._make_batch, max_staleness=config.rollout.max_staleness,
-                                   first_step=first_step, last_step=train.steps, version=policy.version)
-        async with producer:
-            with _progress() as progress:
-                bar = progress.add_task("train", total=train.steps, completed=policy.step, reward=0.0, sync=0.0)
-                last = time.perf_counter()
-                for step in range(first_step, train.steps + 1):
-                    batch = await producer.get(step)
-                    train_metrics = await asyncio.to_thread(policy.learn, batch, step)
-                    # A sync that changes what running requests compute (a merged reload) must not land
-                    # in the middle of a batch: its samples would mix two versions.
-                    lock = producer.engine_lock if sync.mode.needs_engine_lock else contextlib.nullcontext()
-                    async with lock:
-                        sync_metrics = await sync(policy.publish_model, step, step=step)
-                    await producer.published(step)
-                    await asyncio.to_thread(policy.maybe_checkpoint, step)
-                    now = time.perf_counter()
-                    log.write(_row(step, batch, train_metrics, sync_metrics, producer.dropped, now - last))
-                    last = now
-                    if train.eval_every and step % train.eval_every == 0 and step != train.steps:
-                        log.add_eval(step, await self._evaluate())
-                        last = time.perf_counter()  # step_seconds measure training, not evaluation
-                    progress.update(bar, completed=step, reward=batch.rewards_PG.mean().item(),
-                                    sync=sync_metrics["sync_seconds"])
-        log.add_eval(train.steps, await self._evaluate())
-        await sync.close()
-        log.close()
-        return {"accuracy_before": log.accuracy_at(0), "accuracy_after": log.accuracy_at(train.steps),
+        try:
+            sync.discard_from(policy.version)  # what an earlier (interrupted) run published from here on
+            await sync(policy.publish_model, policy.version, step=policy.step)
+            if first_step == 1:
+                self.log.add_eval(0, await self._evaluate())
+            trainable, total = count_parameters(policy.publish_model)
+            print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
+                  f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
+            producer = RolloutProducer(self._make_batch, max_staleness=config.rollout.max_staleness,
+                                       first_step=first_step, last_step=train.steps, version=policy.version)
+            async with producer:
+                with _progress() as progress:
+                    bar = progress.add_task("train", total=train.steps, completed=policy.step, reward=0.0, sync=0.0)
+                    self._last = time.perf_counter()
+                    for step in range(first_step, train.steps + 1):
+                        reward, sync_seconds = await self._step(step, producer)
+                        progress.update(bar, completed=step, reward=reward, sync=sync_seconds)
+            self.log.add_eval(train.steps, await self._evaluate())
+            # Only a finished run unloads its adapters: after an error the engines keep serving the
+            # last good version; the next run with this lora.name unloads what is left (graft.sync.adapter).
+            await sync.close()
+        finally:
+            self.log.close()
+        return {"accuracy_before": self.log.accuracy_at(0), "accuracy_after": self.log.accuracy_at(train.steps),
                 "steps": train.steps, "resumed_from": first_step - 1}
+
+    async def _step(self, step: int, producer: RolloutProducer) -> tuple[float, float]:
+        """Batch → update → sync (verified) → checkpoint → metrics row; (reward mean, sync seconds)."""
+        policy, sync, train = self.policy, self.sync, self.config.train
+        batch = await producer.get(step)
+        train_metrics = await asyncio.to_thread(policy.learn, batch, step)
+        # A sync that changes what running requests compute (a merged reload) must not land in the
+        # middle of a batch: its samples would mix two versions.
+        lock = producer.engine_lock if sync.mode.needs_engine_lock else contextlib.nullcontext()
+        async with lock:
+            sync_metrics = await sync(policy.publish_model, step, step=step)
+        await producer.published(step)
+        await asyncio.to_thread(policy.maybe_checkpoint, step)
+        now = time.perf_counter()
+        self.log.write(_row(step, batch, train_metrics, sync_metrics, producer.dropped, now - self._last))
+        self._last = now
+        if train.eval_every and step % train.eval_every == 0 and step != train.steps:
+            self.log.add_eval(step, await self._evaluate())
+            self._last = time.perf_counter()  # step_seconds measure training, not evaluation
+        return batch.rewards_PG.mean().item(), sync_metrics["sync_seconds"]
 
     async def _make_batch(self, step: int, version: int) -> RolloutBatch:
         """The batch of `step`, sampled from policy `version` (the producer picks the version)."""

@@ -12,6 +12,7 @@ Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -25,6 +26,11 @@ from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, truncated_importanc
 from graft.rl.packing import pad
 from graft.train.distributed import Dist, full_tensor
 from graft.train.rollout_batch import RolloutBatch
+
+
+class NonFiniteUpdateError(ValueError):
+    """An optimizer step's gradient norm is NaN or infinite (`train.on_nonfinite: error`)."""
+
 
 # Token-weighted statistics, summed over micro-batches and ranks, then divided by the token count.
 _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean")
@@ -121,7 +127,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     cache = _LogprobCache(model, batch, sorted({r for rows, _ in mine for r in rows}), train, pad_id,
                   old_needed=not single_step)
     params = list(lora_parameters(model).values())
-    losses, grad_norms, tokens, sums = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
+    losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
         for mini, (rows, weight) in zip(minis, mine):
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
@@ -135,9 +141,18 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
                 tokens += part_tokens
                 for key in _TOKEN_STATS:
                     sums[key] += stats[key] * part_tokens
-            grad_norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item())
-            optimizer.step()
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item()
+            if math.isfinite(grad_norm):  # the same global norm on every rank: one decision everywhere
+                optimizer.step()
+            elif train.on_nonfinite == "skip":
+                skipped += 1
+            else:
+                raise NonFiniteUpdateError(
+                    f"the gradient norm is {grad_norm} (loss {loss_sum}): the update is not applied and "
+                    "nothing is published, the engines keep serving the last good version; lower train.lr, "
+                    "or set train.on_nonfinite=skip to skip such optimizer steps")
             optimizer.zero_grad(set_to_none=True)
+            grad_norms += [grad_norm] if math.isfinite(grad_norm) else []
             losses.append(loss_sum)
     model.eval()
     totals = ctx.sum([*losses, tokens, *sums.values()])
@@ -147,7 +162,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     if not train.kl_coef:
         stats["kl"] = None  # no reference forward pass was run (see _LogprobCache)
     return {"loss": sum(losses) / len(losses), **stats,
-            "grad_norm": sum(grad_norms) / len(grad_norms), "optimizer_steps": len(losses),
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "optimizer_steps": len(losses) - skipped,
+            "skipped_nonfinite_steps": skipped,
             "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
 
 

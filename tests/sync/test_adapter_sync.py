@@ -123,6 +123,24 @@ def test_adapter_names_are_made_and_parsed_in_one_place():
         assert adapter_version("graft", other) is None, other
 
 
+def test_adapters_a_killed_run_left_are_unloaded_before_the_first_load(tmp_path, peft_model, caplog):
+    # A killed run with the same lora.name left v1 and v2 loaded; a rerun (or --resume) loads v1 again.
+    engine = RecordingEngine(others=("policy-v1", "policy-v2", "policy-vx", "other-v1"))
+    sync, _, _ = make_sync(engine, tmp_path, keep=2, lora_name="policy")
+
+    async def main():
+        with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
+            await sync.sync(peft_model, 1, step=1)
+        assert engine.calls[:3] == ["unload policy-v1", "unload policy-v2", "load policy-v1"]
+        assert "earlier run" in caplog.text and "policy-v1, policy-v2" in caplog.text
+        await sync.sync(peft_model, 2, step=2)  # later syncs never unload what this run loaded as stale
+        assert set(engine.adapters) == {"policy-v1", "policy-v2", "policy-vx", "other-v1"}
+        await sync.close()
+        assert set(engine.adapters) == {"policy-vx", "other-v1"}  # not names graft makes: left alone
+
+    run(main())
+
+
 def test_bad_window_settings_are_rejected(tmp_path):
     for keep, max_loras in ((-1, 4), (5, 4), (0, 0)):
         with pytest.raises(ValueError, match="keep_versions"):

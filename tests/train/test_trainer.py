@@ -143,3 +143,38 @@ def test_async_rollout_with_staleness_one_keeps_the_adapter_window(vllm_server, 
     assert max(seen) <= 3 and max(r["engine_adapters_loaded"] for r in rows) == 3
     assert all(r["staleness_max"] in (0, 1) for r in rows) and any(r["staleness_max"] == 1 for r in rows)
     assert all(r["dropped_stale_batches"] == 0 for r in rows)
+
+
+@pytest.mark.vllm
+def test_adapters_a_killed_run_left_on_a_user_server_block_neither_a_rerun_nor_a_resume(vllm_server, base_dir,
+                                                                                       tmp_path):
+    """A run killed mid-way leaves `<lora.name>-v*` on a server the user runs; the next fresh run
+    and a `--resume` load the same names again. Both must start, and leave the server clean."""
+    from graft.lora.adapter_io import save_adapter
+    from graft.rollout.vllm_client import VllmClient
+    from tests.helpers import trained_like_peft_model
+
+    leftover = tmp_path / "leftover"
+    save_adapter(trained_like_peft_model(base_dir), leftover)
+    config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "lora.name=killed",
+                                "train.steps=2", "train.batch_prompts=2", "rollout.n_samples=2",
+                                "rollout.max_new_tokens=4", "rollout.max_lora_rank=8", "train.eval_examples=2",
+                                "train.checkpoint_every=1"])
+
+    async def leave_behind(*names):
+        async with VllmClient(vllm_server.url) as client:
+            for name in names:
+                await client.load_adapter(name, str(leftover))
+
+    async def adapters():
+        async with VllmClient(vllm_server.url) as client:
+            return await client.list_adapters()
+
+    asyncio.run(leave_behind("killed-v0", "killed-v1", "killed-v2"))
+    asyncio.run(train(config, tmp_path / "fresh"))
+    assert asyncio.run(adapters()) == []
+    asyncio.run(leave_behind("killed-v2"))  # as if killed after step 2's sync; resume from step 2 to 3
+    resumed = config.model_copy(update={"train": config.train.model_copy(update={"steps": 3})})
+    assert asyncio.run(train(resumed, tmp_path / "fresh", resume=True))["resumed_from"] == 2
+    assert asyncio.run(adapters()) == []
+    assert [r["step"] for r in _rows(tmp_path / "fresh")] == [1, 2, 3]

@@ -52,3 +52,37 @@ def test_adv_std_reaches_the_advantages(base_dir):
     _, sample = _forwards_and_metrics(base_dir, ["train.adv_std=sample"])
     assert population["loss"] != 0
     assert sample["loss"] == pytest.approx(population["loss"] * (2 / 3) ** 0.5, rel=1e-5)
+
+
+def _poisoned_update(model_dir, on_nonfinite: str):
+    """An update whose loss is NaN (an infinite reward makes the group's advantages NaN)."""
+    from dataclasses import replace
+
+    config = load_config(None, ["train.mini_batches=2", f"train.on_nonfinite={on_nonfinite}"])
+    model = trained_like_peft_model(model_dir)
+    before = {n: p.detach().clone() for n, p in lora_parameters(model).items()}
+    optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-2)
+    batch = _batch(4, 3)
+    rewards_PG = batch.rewards_PG.clone()
+    rewards_PG[0, 0] = float("inf")  # poisons the first prompt's group, so the first mini-batch only
+    return model, before, lambda: policy_update(model, optimizer, replace(batch, rewards_PG=rewards_PG),
+                                                config.train, pad_id=0)
+
+
+def test_a_nonfinite_gradient_stops_the_update_before_any_weight_changes(base_dir):
+    from graft.train.update import NonFiniteUpdateError
+
+    model, before, update = _poisoned_update(base_dir, "error")
+    with pytest.raises(NonFiniteUpdateError, match="gradient norm is nan.*train.on_nonfinite=skip"):
+        update()
+    assert all(torch.equal(p, before[n]) for n, p in lora_parameters(model).items())
+
+
+def test_a_nonfinite_step_can_be_skipped_and_counted(base_dir):
+    model, before, update = _poisoned_update(base_dir, "skip")
+    metrics = update()
+    assert metrics["skipped_nonfinite_steps"] == 1 and metrics["optimizer_steps"] == 1
+    assert torch.isfinite(torch.tensor(metrics["grad_norm"]))  # the finite step's norm only
+    after = lora_parameters(model)
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert any(not torch.equal(p, before[n]) for n, p in after.items())  # the healthy mini-batch was applied
