@@ -333,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, EngineError, VllmStartupError) as e:
         print(f"graft: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only or missing path: the system's words and the file
+        where = f": {e.filename}" if e.filename else ""
+        print(f"graft: error: {e.strerror or e}{where} (a training run continues from its newest checkpoint "
+              "with --resume)", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -150,7 +150,8 @@ class SyncConfig(_Section):
         "weights that the engine reloads (serves at base speed; remote engines need a shared sync.dir). "
         "The modes are registered in graft.sync.modes."
     )
-    dir: str | None = Field(None, description="Directory for pushed weight versions; null = RUN_DIR/weights.")
+    dir: str | None = Field(None, description="Shared directory for pushed weight versions (engines read them at "
+                            "the same path); the run writes into SYNC_DIR/<lora.name>. null = RUN_DIR/weights.")
     keep_versions: Literal["auto"] | int = Field(
         "auto", description="Adapter versions kept loaded on the server; auto = max_staleness + 2, 0 = never unload."
     )

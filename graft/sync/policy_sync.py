@@ -21,6 +21,12 @@ from graft.sync.modes import SyncMode, build_sync_mode
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
 
 
+def weights_dir_of(config: GraftConfig, run_dir: str | Path) -> Path:
+    """Where a run publishes its versions: RUN_DIR/weights, or SYNC_DIR/<lora.name> — a directory of
+    its own inside a shared `sync.dir`, so a fresh run never discards another run's versions."""
+    return Path(config.sync.dir) / config.lora.name if config.sync.dir else Path(run_dir) / "weights"
+
+
 class PolicySync:
     """Sync + verify + metrics for one run.
 
@@ -35,7 +41,7 @@ class PolicySync:
         self.verify = config.sync.verify
         self.tolerance = config.sync.verify_tolerance or DEFAULT_TOLERANCE[config.model.dtype]
         self.warn_only = config.sync.verify_action == "warn"
-        weights_dir = Path(config.sync.dir) if config.sync.dir else Path(run_dir) / "weights"
+        weights_dir = weights_dir_of(config, run_dir)
         self.mode: SyncMode = build_sync_mode(config, engine, weights_dir, self.inflight)
         self.version: int | None = None  # the last version synced
 

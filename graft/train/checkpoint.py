@@ -49,6 +49,8 @@ OPTIMIZER_META = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 RNG_META = "rng.json"
 TRAINER_STATE = "trainer_state.json"
+# What a resume needs from trainer_state.json (the trainer writes these; it may write more).
+TRAINER_STATE_KEYS = ("step", "policy_version")
 CHECKPOINT_FILES = (f"{ADAPTER_DIR}/{ADAPTER_CONFIG}", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", OPTIMIZER_TENSORS,
                     OPTIMIZER_META, RNG_TENSORS, RNG_META, TRAINER_STATE)
 # LoRA options that change the adapter's parameters or the function they compute.
@@ -104,12 +106,18 @@ def save_checkpoint(checkpoints_dir: Path, model: peft.PeftModel, optimizer: tor
     return target
 
 
-def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None. Temporary (`.step-*.tmp-*`) directories
-    and directories missing any checkpoint file are skipped."""
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Checkpoints with every file present, highest step first. Temporary (`.step-*.tmp-*`)
+    directories and directories missing any checkpoint file are skipped."""
     complete = [(step, path) for step, path in _step_dirs(Path(checkpoints_dir))
                 if all((path / name).is_file() for name in CHECKPOINT_FILES)]
-    return max(complete)[1] if complete else None
+    return [path for _, path in sorted(complete, reverse=True)]
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = complete_checkpoints(checkpoints_dir)
+    return found[0] if found else None
 
 
 def load_checkpoint(path: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer) -> dict:
@@ -132,6 +140,9 @@ def load_checkpoint(path: Path, model: peft.PeftModel, optimizer: torch.optim.Op
     trainer_state = _read_json(path / TRAINER_STATE)
     if not isinstance(trainer_state, dict):
         raise CheckpointError(f"{path / TRAINER_STATE}: expected a JSON object, got {type(trainer_state).__name__}")
+    lacking = [k for k in TRAINER_STATE_KEYS if not isinstance(trainer_state.get(k), int)]
+    if lacking:
+        raise CheckpointError(f"{path / TRAINER_STATE}: no integer {', '.join(lacking)}")
     rng = _read_rng(path)
     optimizer_state = _read_optimizer(path, model, optimizer)
     try:

@@ -7,6 +7,7 @@ collectives); rank 0's loop (`graft.train.trainer`) adds rollouts, sync and logg
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,14 +15,34 @@ import torch
 from graft.config import GraftConfig
 from graft.lora.attach import lora_parameters
 from graft.lora.policy import build_policy
-from graft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from graft.train.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from graft.train.distributed import Dist, broadcast_batch, full_tensor, shard_model
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 
+log = logging.getLogger(__name__)
+
 
 class ResumeError(ValueError):
     """`--resume` without a checkpoint, or a fresh start over an earlier run's checkpoints."""
+
+
+def refuse_fresh_start_over_checkpoints(run_dir: Path) -> None:
+    """A fresh run must not mix with an earlier run's checkpoints (called before anything is written).
+
+    Raises:
+        ResumeError: RUN_DIR/checkpoints holds a checkpoint.
+    """
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if found is not None:
+        raise ResumeError(f"{run_dir} holds checkpoints of an earlier run ({found.name}): pass --resume to "
+                          "continue it, or choose another --run-dir")
 
 
 def learning_rate(config: GraftConfig, step: int) -> float:
@@ -51,16 +72,27 @@ class PolicyState:
         self.publish_model = build_policy(config.model, config.lora, config.train.seed) if ctx.active and ctx.is_main else self.model
         self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
         self.step, self.version = 0, 0
-        found = latest_checkpoint(self.checkpoints)
         if resume:
-            if found is None:
-                raise ResumeError(f"--resume: no checkpoint in {self.checkpoints}")
-            state = load_checkpoint(found, self.model, self.optimizer)
-            self.step, self.version = state["step"], state["policy_version"]
+            self._resume()
             self._gather_for_publishing()
-        elif found is not None:
-            raise ResumeError(f"{run_dir} holds checkpoints of an earlier run ({found.name}): pass --resume to "
-                              "continue it, or choose another --run-dir")
+        else:
+            refuse_fresh_start_over_checkpoints(run_dir)
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint that loads; a damaged one (a crash or a full disk while it was
+        written elsewhere) is reported and the one before it is used."""
+        found = complete_checkpoints(self.checkpoints)
+        if not found:
+            raise ResumeError(f"--resume: no checkpoint in {self.checkpoints}")
+        for path in found:
+            try:
+                state = load_checkpoint(path, self.model, self.optimizer)
+            except CheckpointError as error:  # nothing was changed: try the previous one
+                log.warning("skipping checkpoint %s: %s", path.name, error)
+                continue
+            self.step, self.version = state["step"], state["policy_version"]
+            return
+        raise ResumeError(f"--resume: no checkpoint in {self.checkpoints} loads (see the warnings above)")
 
     def learn(self, batch: RolloutBatch | None, step: int) -> dict:
         """Broadcast rank 0's batch, update on this rank's slice, gather the LoRA weights for

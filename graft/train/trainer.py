@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import time
 from dataclasses import dataclass
@@ -37,11 +38,11 @@ from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import RewardFn, get_reward
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
-from graft.train.policy import PolicyState, ResumeError
+from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
 from graft.train.rollout_batch import RolloutBatch, build_rollout_batch, step_examples, step_sampling_params
 from graft.train.staleness import RolloutProducer
 
-__all__ = ["ResumeError", "train"]
+__all__ = ["ResumeError", "RunDirError", "train"]
 
 
 @dataclass(frozen=True)
@@ -178,18 +179,53 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
     _leave_a_core_to_local_vllm(config)
     ctx = init_distributed(config.dist.backend)
     try:
-        torch.manual_seed(config.train.seed)
-        if ctx.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, run_dir / "config.yaml")
-        task = _load_task(config)
-        policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
-        if not ctx.is_main:
-            for step in range(policy.step + 1, config.train.steps + 1):  # the same collectives as rank 0
-                policy.learn(None, step)
-                policy.maybe_checkpoint(step)
-            return {}
-        async with open_engine(config, run_dir) as engine:
-            return await _Leader(config, run_dir, policy, task, engine).run()
+        with _run_dir_lock(run_dir) if ctx.is_main else contextlib.nullcontext():
+            torch.manual_seed(config.train.seed)
+            if ctx.is_main:
+                if not resume:  # before anything is written: a refused start changes nothing
+                    refuse_fresh_start_over_checkpoints(run_dir)
+                save_config(config, run_dir / "config.yaml")
+            task = _load_task(config)
+            policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
+            if not ctx.is_main:
+                for step in range(policy.step + 1, config.train.steps + 1):  # the same collectives as rank 0
+                    policy.learn(None, step)
+                    policy.maybe_checkpoint(step)
+                return {}
+            async with open_engine(config, run_dir) as engine:
+                return await _Leader(config, run_dir, policy, task, engine).run()
     finally:
         shutdown_distributed(ctx)
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used: not a directory, or in use by another graft process."""
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path):
+    """Create `run_dir` and hold an exclusive lock on RUN_DIR/.lock for the run.
+
+    Two trainers on one run directory would overwrite each other's versions and checkpoints. The
+    kernel drops the lock when its holder dies in any way (SIGKILL included), so no stale lock is
+    ever left to clear by hand.
+
+    Raises:
+        RunDirError: `run_dir` is a file or lies under one, or another process holds the lock.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / ".lock", "a+")
+    except (FileExistsError, NotADirectoryError) as error:
+        raise RunDirError(f"run directory {run_dir} cannot be created: {error.filename} is a file") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunDirError(f"run directory {run_dir} is in use by another graft process "
+                              f"({handle.read().strip() or 'pid unknown'}): choose another --run-dir") from None
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield

@@ -97,8 +97,10 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints_and_resume_needs_one(base_
     with pytest.raises(ResumeError, match="no checkpoint"):
         asyncio.run(train(load_config(None, overrides), tmp_path, resume=True))
     asyncio.run(train(load_config(None, overrides), tmp_path))
+    written = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ResumeError, match="--resume"):
-        asyncio.run(train(load_config(None, overrides), tmp_path))
+        asyncio.run(train(load_config(None, [*overrides, "train.lr=0.5"]), tmp_path))
+    assert (tmp_path / "config.yaml").read_text() == written  # the refused start changed nothing
 
 
 def test_tensorboard_events_hold_the_metrics(base_dir, tmp_path):
@@ -178,3 +180,88 @@ def test_adapters_a_killed_run_left_on_a_user_server_block_neither_a_rerun_nor_a
     assert asyncio.run(train(resumed, tmp_path / "fresh", resume=True))["resumed_from"] == 2
     assert asyncio.run(adapters()) == []
     assert [r["step"] for r in _rows(tmp_path / "fresh")] == [1, 2, 3]
+
+
+@pytest.mark.vllm
+def test_a_diverging_run_stops_with_one_line_and_the_server_keeps_its_last_good_version(vllm_server, base_dir,
+                                                                                        tmp_path):
+    """lr 1e30: the first update's weights are finite but overflow in any forward. The run stops
+    with one line before that version reaches the server, which keeps serving version 0 and answers
+    plain base-model requests; the next run on it starts cleanly."""
+    import subprocess
+    import sys
+
+    from graft.rollout.engine import GenerateRequest, SamplingParams
+    from graft.rollout.vllm_client import VllmClient
+
+    overrides = [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "lora.name=diverged",
+                 "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+                 "rollout.max_lora_rank=8", "train.eval_examples=2", "train.lr=1e30", "train.grad_clip=1e30"]
+    command = [sys.executable, "-m", "graft.cli", "train", "--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(command + [a for o in overrides for a in ("-o", o)], capture_output=True, text=True,
+                            timeout=600)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("graft: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "not published" in errors[0] and "Traceback" not in result.stderr
+
+    async def server_state():
+        async with VllmClient(vllm_server.url) as client:
+            served = await client.list_adapters()
+            params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+            base = await client.generate([GenerateRequest((5, 6, 7), params)])
+            for name in served:  # the suite's server must be left clean
+                await client.unload_adapter(name)
+            return served, base
+
+    served, base = asyncio.run(server_state())
+    assert served == ["diverged-v0"]  # the last good version, still served
+    assert len(base[0][0].token_ids) == 4 and all(x == x for x in base[0][0].logprobs)  # finite, no NaN
+
+
+_TINY_RUN = ["rollout.engine=reference", "train.batch_prompts=1", "rollout.n_samples=2", "rollout.max_new_tokens=2",
+             "train.eval_examples=1", "lora.rank=4"]
+
+
+def test_a_run_dir_that_is_a_file_or_under_one_or_in_use_is_one_clear_error(base_dir, tmp_path):
+    import fcntl
+
+    from graft.train.trainer import RunDirError
+
+    config = load_config(None, [f"model.path={base_dir}", *_TINY_RUN, "train.steps=1"])
+    (tmp_path / "file").write_text("not a directory")
+    for run_dir in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(RunDirError, match="is a file"):
+            asyncio.run(train(config, run_dir))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with open(busy / ".lock", "w") as held:  # another trainer holds the run dir
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242\n")
+        held.flush()
+        with pytest.raises(RunDirError, match=r"in use by another graft process \(pid 4242\)"):
+            asyncio.run(train(config, busy))
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing written while refused
+    asyncio.run(train(config, busy))  # the holder is gone: the lock is free again
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(base_dir, tmp_path):
+    overrides = [f"model.path={base_dir}", *_TINY_RUN, "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    asyncio.run(train(load_config(None, [*overrides, "train.steps=3"]), tmp_path))
+    state = tmp_path / "checkpoints" / "step-000003" / "trainer_state.json"
+    damaged = json.loads(state.read_text())
+    del damaged["policy_version"]
+    state.write_text(json.dumps(damaged))
+    result = asyncio.run(train(load_config(None, [*overrides, "train.steps=4"]), tmp_path, resume=True))
+    assert result["resumed_from"] == 2
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_runs_sharing_a_sync_dir_never_discard_each_others_versions(base_dir, tmp_path):
+    shared = tmp_path / "shared"
+    for name in ("first", "second"):
+        config = load_config(None, [f"model.path={base_dir}", *_TINY_RUN, "train.steps=2", f"sync.dir={shared}",
+                                    f"lora.name={name}", "sync.keep_versions=0"])
+        asyncio.run(train(config, tmp_path / name))
+    for name in ("first", "second"):
+        assert sorted(p.name for p in (shared / name).glob("adapter-v*.ready")) == [
+            f"adapter-v00000{v}.ready" for v in (0, 1, 2)]
