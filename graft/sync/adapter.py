@@ -4,8 +4,8 @@ and unload the versions that fall outside the retention window, never one a runn
 One `sync(model, version, step)` per optimizer step, in this order:
 
 1. publish: the adapter's PEFT files into the publisher's temporary directory; atomic, with a `.ready`
-   manifest (`graft.sync.publish`). Runs in a worker thread, so generation on the event loop
-   goes on meanwhile.
+   manifest (`graft.sync.publish`), whose sizes and sha256 are checked again right before the load.
+   Runs in a worker thread, so generation on the event loop goes on meanwhile.
 2. make room: the versions that fall outside the window once N is loaded (all but the newest
    `keep_versions - 1`) are retired now, except the current one (requests may be picking it at
    this instant). If graft still holds `max_loras` adapters, wait until a retired version's
@@ -52,7 +52,7 @@ from graft.lora.adapter_io import adapter_config_dict, adapter_state_dict, write
 from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
 from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.sync.inflight import InFlightVersions
-from graft.sync.publish import WeightPublisher
+from graft.sync.publish import WeightPublisher, read_version
 from graft.sync.result import SyncResult
 
 KIND = "adapter"
@@ -161,6 +161,9 @@ class AdapterSync:
             if self._keep:
                 await self._make_room(tried)
             name = adapter_name(self._lora_name, version)
+            # The files the engine is about to read still match their manifest (size and sha256; one
+            # read of a few MiB): a version changed on a shared filesystem is never loaded.
+            await asyncio.to_thread(read_version, self.publisher.root, KIND, version)
             await self._engine.load_adapter(name, str(published.path))
             self._loaded.append(version)
             self._current = version
