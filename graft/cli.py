@@ -45,42 +45,72 @@ def cmd_config(args: argparse.Namespace) -> None:
     print(config_to_yaml(config), end="")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    if args.which == "merge":
-        from graft.bench.merge import print_merge_report, run_merge_bench
+def _bench_merge(args: argparse.Namespace) -> dict:
+    from graft.bench.merge import print_merge_report, run_merge_bench
 
-        result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
-                                 repeats=args.repeats, cycles=args.cycles)
-        print_merge_report(result)
-    elif args.which == "sync" and args.sweep:
+    result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
+                             repeats=args.repeats, cycles=args.cycles or 50)
+    print_merge_report(result)
+    return result
+
+
+def _bench_sync(args: argparse.Namespace) -> dict:
+    if args.sweep:
         from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
 
         result = run_sync_sweep(args.sweep, repeats=min(args.repeats, 3))
         print_sweep_report(result)
         result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))
         print(f"plot: {result['plot']}")
-    elif args.which == "sync":
-        from graft.bench.sync import SHAPES, print_sync_report, run_sync_bench
+        return result
+    from graft.bench.sync import SHAPES, print_sync_report, run_sync_bench
 
-        result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
-        print_sync_report(result)
-    elif args.which == "e2e":
-        from graft.bench.e2e import MODELS, print_e2e_report, run_e2e_bench
+    result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
+    print_sync_report(result)
+    return result
 
-        models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
-        result = run_e2e_bench(models, repeats=min(args.repeats, 3), steps=args.steps or 6)
-        print_e2e_report(result)
-    elif args.which == "learning":
-        from graft.bench.learning import print_learning_report, run_learning_bench
 
-        result = run_learning_bench(steps=args.steps or 150, out_dir=Path(args.plot_dir))
-        print_learning_report(result)
-    else:
-        from graft.bench.rollout import print_rollout_report, run_rollout_bench
+def _bench_e2e(args: argparse.Namespace) -> dict:
+    from graft.bench.e2e import MODELS, print_e2e_report, run_e2e_bench
 
-        result = run_rollout_bench(hidden=args.hidden or 256, layers=args.layers or 4, rank=args.rank,
-                                   repeats=args.repeats)
-        print_rollout_report(result)
+    models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
+    result = run_e2e_bench(models, repeats=min(args.repeats, 3), steps=args.steps or 6)
+    print_e2e_report(result)
+    return result
+
+
+def _bench_learning(args: argparse.Namespace) -> dict:
+    from graft.bench.learning import print_learning_report, run_learning_bench
+
+    result = run_learning_bench(steps=args.steps or 150, out_dir=Path(args.plot_dir))
+    print_learning_report(result)
+    return result
+
+
+def _bench_rollout(args: argparse.Namespace) -> dict:
+    from graft.bench.rollout import print_rollout_report, run_rollout_bench
+
+    result = run_rollout_bench(hidden=args.hidden or 256, layers=args.layers or 4, rank=args.rank,
+                               repeats=args.repeats)
+    print_rollout_report(result)
+    return result
+
+
+def _bench_soak(args: argparse.Namespace) -> dict:
+    from graft.bench.soak import print_soak_report, run_soak_bench
+
+    result = run_soak_bench(cycles=args.cycles or 1000, concurrency=args.concurrency)
+    print_soak_report(result)
+    return result
+
+
+# `graft bench WHICH`: each runs, prints its table and returns what --json writes.
+BENCHES = {"merge": _bench_merge, "rollout": _bench_rollout, "sync": _bench_sync, "e2e": _bench_e2e,
+           "learning": _bench_learning, "soak": _bench_soak}
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    result = BENCHES[args.which](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
@@ -225,9 +255,11 @@ def _add_bench_command(sub) -> None:
                                    "e2e: one LoRA GRPO step, graft vs TRL GRPOTrainer + PEFT, same model, task, "
                                    "batch, LoRA and optimizer; interleaved, medians, ratio TRL/graft. "
                                    "learning: held-out accuracy vs training seconds, graft vs TRL from the same "
-                                   "base for the same wall-clock budget; learning.png. Results and how to read "
+                                   "base for the same wall-clock budget; learning.png. "
+                                   "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
+                                   "failed requests, adapters loaded at most, server RSS growth. Results and how to read "
                                    "them: docs/benchmarks.md.")
-    p.add_argument("which", choices=["merge", "rollout", "sync", "e2e", "learning"], help="benchmark to run")
+    p.add_argument("which", choices=list(BENCHES), help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e: one model instead of h128 l2 and h512 l8)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2)")
@@ -242,7 +274,10 @@ def _add_bench_command(sub) -> None:
                    help="sync: cost growth instead, adapter vs merged with their raw-write floors, over 4 model "
                         "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "
                         "writes PLOT_DIR/sync-SWEEP.png")
-    p.add_argument("--cycles", type=int, default=50, help="merge: PEFT merge/unmerge cycles for the drift measurement")
+    p.add_argument("--cycles", type=int, default=None,
+                   help="merge: PEFT merge/unmerge cycles for the drift measurement (default 50); "
+                        "soak: adapter syncs (default 1000)")
+    p.add_argument("--concurrency", type=int, default=8, help="soak: concurrent request streams (default 8)")
     p.set_defaults(func=cmd_bench)
 
 
