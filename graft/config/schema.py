@@ -218,6 +218,9 @@ class TrainConfig(_Section):
         "of whole prompt groups (PPO-style; the clip keeps later steps near the sampling policy)."
     )
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (each pass takes mini_batches steps).")
+    logit_chunk_tokens: int | None = Field(
+        None, ge=1, description="Token positions per LM-head chunk in the update (each chunk's fp32 logits are "
+        "the only [tokens, vocab] tensor alive, forward and backward); null = about 256 MiB of logits per chunk.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

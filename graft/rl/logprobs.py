@@ -1,7 +1,8 @@
 """Teacher-forced log-probs: what a causal LM assigns to tokens it is given, not tokens it samples.
 
-One forward pass over the given ids, then log-softmax of the raw logits in float32, gathered at the
-next token of every position. It is the single place graft computes these numbers, so the policy
+One forward pass over the given ids; the LM head runs only at the positions asked for, a chunk of
+positions at a time, and each chunk's log-softmax (float32) is gathered at the next token — the
+``[tokens, vocab]`` logits of a whole batch never exist, forward or backward. It is the single place graft computes these numbers, so the policy
 update (old, reference and current policy), delivery verification and the reference engine's checks
 all compare like with like: the quantity inference engines report per sampled token (vLLM's
 ``raw_logprobs``: no temperature, no top-p).
@@ -10,27 +11,32 @@ Shape suffixes: ``_B`` rows, ``_T`` token positions, ``_V`` vocabulary, ``_C`` c
 Alignment: the logits at position ``t`` score token ``t + 1`` (see ``graft.rl.packing``).
 """
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from graft.rl.packing import next_token_targets
 
+# fp32 logits held at once per chunk: C x V elements (~256 MiB). Each chunk's softmax needs about
+# three such buffers; a 151,936-token vocabulary gives 441-token chunks.
+DEFAULT_CHUNK_ELEMENTS = 1 << 26
+
 
 class TeacherForced(NamedTuple):
-    """One teacher-forced forward's results.
+    """One teacher-forced forward's results, float32, ``[B, T]``.
 
     Attributes:
-        logprobs_BT: float32 log-prob of the next token at every position; the last position (and
-            any whose next token is padding) holds a meaningless but finite value: select
-            completion positions with a completion mask.
-        logits_BTV: the raw logits in the model's dtype, with their graph (the update's entropy).
+        logprobs_BT: log-prob of the next token at each scored position; 0 at positions not scored.
+        entropy_BT: entropy of the next-token distribution at each scored position when asked for
+            (with its graph when gradients are on); 0 elsewhere.
     """
 
     logprobs_BT: Tensor
-    logits_BTV: Tensor
+    entropy_BT: Tensor
 
 
 def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
@@ -49,24 +55,84 @@ def token_entropy(logits_BTV: Tensor) -> Tensor:
     return -(logprobs_BTV.exp() * logprobs_BTV).sum(dim=-1)
 
 
-def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor | None = None
-                            ) -> TeacherForced:
-    """One forward of ``model`` over ``input_ids_BT``; every position's log-prob of its next token.
+def _score_chunk(head_forward, hidden_CH: Tensor, targets_C: Tensor, with_entropy: bool) -> Tensor:
+    """``[C, 2]``: (log-prob of the target, entropy) for C positions; the ``[C, V]`` logits live
+    only inside this call."""
+    logits_CV = head_forward(hidden_CH)
+    logprob_C = token_logprobs(logits_CV, targets_C)
+    entropy_C = token_entropy(logits_CV) if with_entropy else torch.zeros_like(logprob_C)
+    return torch.stack([logprob_C, entropy_C], dim=-1)
 
-    Gradients flow unless the caller runs under ``torch.no_grad()``. ``model`` is used as it is (for
-    a PeftModel: whichever adapter is active, or none inside ``disable_adapter``).
 
-    The logits of every position are materialised (``[B, T, V]``). A vocabulary-chunked variant that
-    applies the LM head only at completion positions would take the completion mask here and return
-    the entropy in place of the logits; callers already select completion positions themselves.
+def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entropy: bool):
+    """A stand-in for the LM head's forward: ``hidden_BKH -> [B, K, 2]`` scores, chunk by chunk.
+
+    With gradients on, each chunk is recomputed in the backward pass (``checkpoint``): only its
+    hidden states are kept, so the backward never holds more than one chunk's logits either.
+    """
+    def forward(hidden_BKH: Tensor) -> Tensor:
+        b, k, h = hidden_BKH.shape
+        hidden_NH, targets_N = hidden_BKH.reshape(b * k, h), targets_BK.reshape(b * k)
+        scores = []
+        for start in range(0, b * k, chunk_tokens):
+            chunk = (hidden_NH[start:start + chunk_tokens], targets_N[start:start + chunk_tokens])
+            if torch.is_grad_enabled() and hidden_NH.requires_grad:
+                scores.append(checkpoint(_score_chunk, head_forward, *chunk, with_entropy, use_reentrant=False))
+            else:
+                scores.append(_score_chunk(head_forward, *chunk, with_entropy))
+        return torch.cat(scores).view(b, k, 2)
+    return forward
+
+
+def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor | None = None, *,
+                            positions_K: Tensor | None = None, with_entropy: bool = False,
+                            chunk_tokens: int | None = None) -> TeacherForced:
+    """One forward of ``model`` over ``input_ids_BT``, scoring each position's next token.
+
+    The LM head runs only at ``positions_K`` (e.g. those that predict a completion token), in chunks
+    of ``chunk_tokens`` positions, so no ``[tokens, vocab]`` tensor of the whole batch ever exists:
+    during the forward the head's module is given a chunked forward that returns log-prob and
+    entropy instead of logits (HF models pass ``logits_to_keep`` positions to their head). Gradients
+    flow unless the caller runs under ``torch.no_grad()``. ``model`` is used as it is (for a
+    PeftModel: whichever adapter is active, or none inside ``disable_adapter``).
 
     Args:
-        model: A causal LM whose output has ``.logits``.
+        model: A Hugging Face causal LM (or a PeftModel of one).
         input_ids_BT: Token ids; right padding needs no ``position_ids`` (HF's ``arange`` is right).
         attention_mask_BT: 1/0 mask for a padded batch; None for unpadded rows (HF's default).
+        positions_K: Increasing positions to score; None = every position but the last.
+        with_entropy: Also compute each scored position's entropy.
+        chunk_tokens: Positions per LM-head chunk; None = ``DEFAULT_CHUNK_ELEMENTS // vocab``.
     """
-    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    return TeacherForced(token_logprobs(logits_BTV, next_token_targets(input_ids_BT)), logits_BTV)
+    t = input_ids_BT.shape[1]
+    if positions_K is None:
+        positions_K = torch.arange(max(t - 1, 0), device=input_ids_BT.device)
+    targets_BK = next_token_targets(input_ids_BT)[:, positions_K]
+    head = model.get_output_embeddings()
+    chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // head.weight.shape[0])
+    with _head_forward_replaced(head, _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy)):
+        scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False,
+                           logits_to_keep=positions_K).logits
+    logprobs_BT = input_ids_BT.new_zeros(input_ids_BT.shape, dtype=torch.float32)
+    entropy_BT = torch.zeros_like(logprobs_BT)
+    logprobs_BT = logprobs_BT.index_copy(1, positions_K, scores_BK2[..., 0])
+    entropy_BT = entropy_BT.index_copy(1, positions_K, scores_BK2[..., 1])
+    return TeacherForced(logprobs_BT, entropy_BT)
+
+
+@contextlib.contextmanager
+def _head_forward_replaced(head: nn.Module, forward) -> Iterator[None]:
+    """``head.forward`` is ``forward`` for the body (an instance attribute: the module tree, its
+    parameters and any hooks on it stay as they are)."""
+    previous = head.__dict__.get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
 
 
 @torch.no_grad()
@@ -84,6 +150,7 @@ def sequence_logprobs(model: nn.Module, prompt_ids: Sequence[int], completion_id
         return []
     device = next(model.parameters()).device
     ids_1T = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
-    logprobs_1T, _ = teacher_forced_logprobs(model, ids_1T)
     # the logits at position t predict token t + 1: the completion is predicted from len(prompt) - 1 on
-    return logprobs_1T[0, len(prompt_ids) - 1:-1].tolist()
+    positions_K = torch.arange(len(prompt_ids) - 1, ids_1T.shape[1] - 1, device=device)
+    logprobs_1T, _ = teacher_forced_logprobs(model, ids_1T, positions_K=positions_K)
+    return logprobs_1T[0, positions_K].tolist()

@@ -21,7 +21,7 @@ from torch import nn
 from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
-from graft.rl.logprobs import teacher_forced_logprobs, token_entropy
+from graft.rl.logprobs import teacher_forced_logprobs
 from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, truncated_importance_weights
 from graft.rl.packing import pad
 from graft.train.distributed import Dist, full_tensor
@@ -40,6 +40,15 @@ def _padded_on_device(model: nn.Module, batch: RolloutBatch, rows: list[int], pa
     """Right-padded `(input_ids_BT, attention_mask_BT, completion_mask_BT)` on the model's device."""
     device = next(model.parameters()).device
     return tuple(t.to(device) for t in pad([batch.sequences[r] for r in rows], "right", pad_id))
+
+
+def _scored(model: nn.Module, input_ids_BT, attention_mask_BT, mask_BT, train: TrainConfig,
+            with_entropy: bool = False):
+    """Log-probs (and entropy) at the positions that predict a completion token of any row; the LM
+    head never runs over prompt positions before the first completion token."""
+    positions_K = mask_BT.any(dim=0).nonzero()[:, 0]
+    return teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT, positions_K=positions_K,
+                                   with_entropy=with_entropy, chunk_tokens=train.logit_chunk_tokens)
 
 
 def _chunks(rows: list[int], size: int | None) -> list[list[int]]:
@@ -80,9 +89,9 @@ class _LogprobCache:
                 input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
                 if ref_needed:
                     with adapter_disabled(model):
-                        ref_BT, _ = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
+                        ref_BT, _ = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train)
                 if old_needed:
-                    policy_BT, _ = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
+                    policy_BT, _ = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train)
                 for b, r in enumerate(part):
                     if ref_needed:
                         self.ref[r] = ref_BT[b, mask_BT[b]]
@@ -172,7 +181,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                       single_step: bool) -> tuple[torch.Tensor, dict]:
     """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, rows, pad_id)
-    logprobs_BT, logits_BTV = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
+    logprobs_BT, entropy_BT = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train, with_entropy=True)
     if single_step:
         old_BT = logprobs_BT.detach()
         for b, r in enumerate(rows):
@@ -184,7 +193,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
     if train.tis_cap:
         tis_BT = truncated_importance_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
-    entropy_BT = token_entropy(logits_BTV if train.entropy_coef else logits_BTV.detach())
+    entropy_BT = entropy_BT if train.entropy_coef else entropy_BT.detach()
     loss, stats = grpo_loss(logprobs_BT, old_BT, ref_BT, advantages[rows], mask_BT,
                             clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BT,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BT,

@@ -1,5 +1,5 @@
-"""graft.rl.logprobs: token log-probs and entropy, and the one teacher-forced forward, which must give
-bit for bit what the update and the reference engine computed before they shared it.
+"""graft.rl.logprobs: token log-probs and entropy, and the one teacher-forced forward, whose chunked
+LM head must give what the full-logits formula gives (values and LoRA gradients, 1e-6 in fp32).
 
 Shape suffixes: ``_B`` batch rows, ``_T`` tokens, ``_V`` vocabulary, ``_C`` completion tokens.
 """
@@ -37,28 +37,54 @@ def test_token_logprobs_and_entropy():
     torch.testing.assert_close(uniform, torch.full((1, 1), math.log(11)))
 
 
-def test_padded_batch_is_bit_identical_to_the_update_formula_it_replaced(model):
-    """`graft.train.update._completion_logprobs` before the move, written out."""
-    input_ids_BT, attention_mask_BT, _ = pad(SEQUENCES, "right", pad_id=0)
-    logprobs_BT, logits_BTV = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
-    old_logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    old_targets_BT = torch.roll(input_ids_BT, shifts=-1, dims=-1)
-    old_BT = old_logits_BTV.float().log_softmax(dim=-1).gather(dim=-1, index=old_targets_BT.unsqueeze(-1)).squeeze(-1)
-    assert torch.equal(logits_BTV, old_logits_BTV)
-    assert torch.equal(logprobs_BT, old_BT)
-    assert logprobs_BT.requires_grad  # the update differentiates through it
+def _full_logits_formula(model, input_ids_BT, attention_mask_BT):
+    """The unchunked formula the update used before: every position's [V] logits at once."""
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+    targets_BT = torch.roll(input_ids_BT, shifts=-1, dims=-1)
+    return token_logprobs(logits_BTV, targets_BT), token_entropy(logits_BTV)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, None])
+def test_chunked_head_equals_the_full_logits_formula_values_and_lora_gradients(model, chunk_tokens):
+    """Log-probs, entropy and the LoRA gradients of a loss using both (an entropy bonus) equal the
+    unchunked formula's to 1e-6 in fp32, whatever the chunk size (1: every position its own chunk)."""
+    input_ids_BT, attention_mask_BT, mask_BT = pad(SEQUENCES, "right", pad_id=0)
+    params = [p for n, p in model.named_parameters() if ".lora_" in n]
+
+    def loss_and_grads(logprobs_BT, entropy_BT):
+        loss = torch.where(mask_BT, logprobs_BT * 0.7 - 0.01 * entropy_BT, 0.0).sum()
+        grads = torch.autograd.grad(loss, params)
+        return logprobs_BT[mask_BT], entropy_BT[mask_BT], grads
+
+    positions_K = mask_BT.any(0).nonzero()[:, 0]
+    new = loss_and_grads(*teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT, positions_K=positions_K,
+                                                  with_entropy=True, chunk_tokens=chunk_tokens))
+    old = loss_and_grads(*_full_logits_formula(model, input_ids_BT, attention_mask_BT))
+    torch.testing.assert_close(new[0], old[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(new[1], old[1], atol=1e-6, rtol=1e-6)  # entropy ~ log V: relative
+    for got, want in zip(new[2], old[2], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().max() > 0 for g in new[2])
 
 
 @pytest.mark.parametrize(("prompt", "completion"), SEQUENCES)
-def test_one_sequence_is_bit_identical_to_the_engine_formula_it_replaced(model, prompt, completion):
-    """`graft.rollout.reference.sequence_logprobs` before the move, written out."""
+def test_one_sequence_equals_the_engine_formula_it_replaced(model, prompt, completion):
+    """`graft.rollout.reference.sequence_logprobs` before the move, written out (all logits at once)."""
     with torch.no_grad():
         ids_1T = torch.tensor([prompt + completion])
         logits_CV = model(input_ids=ids_1T, use_cache=False).logits[0, len(prompt) - 1:-1].float()
         old_C = torch.log_softmax(logits_CV, dim=-1).gather(-1, ids_1T[0, len(prompt):][:, None])[:, 0]
     new = sequence_logprobs(model, prompt, completion)
-    assert torch.equal(torch.tensor(new), old_C)
-    assert new == old_C.tolist()
+    torch.testing.assert_close(torch.tensor(new), old_C, atol=1e-6, rtol=0)
+
+
+def test_the_head_is_left_as_it_was(model):
+    head = model.get_output_embeddings()
+    input_ids_BT, attention_mask_BT, _ = pad(SEQUENCES, "right", pad_id=0)
+    with torch.no_grad():
+        teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT)
+        logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+    assert "forward" not in head.__dict__ and logits_BTV.shape[-1] == head.weight.shape[0]
 
 
 def test_one_sequence_agrees_with_its_row_of_a_padded_batch(model):

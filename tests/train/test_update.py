@@ -86,3 +86,44 @@ def test_a_nonfinite_step_can_be_skipped_and_counted(base_dir):
     after = lora_parameters(model)
     assert all(torch.isfinite(p).all() for p in after.values())
     assert any(not torch.equal(p, before[n]) for n, p in after.items())  # the healthy mini-batch was applied
+
+
+def test_the_update_never_holds_more_than_one_chunk_of_float32_vocab_logits():
+    """At a real vocabulary (151,936) the update's largest float32 `[.., vocab]` tensor, forward and
+    backward, KL and entropy bonus on, is one chunk's: never the `[tokens, vocab]` of the batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from graft.lora.attach import attach_lora
+    from graft.train.rollout_batch import RolloutBatch
+
+    vocab, chunk = 151_936, 16
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    model = attach_lora(base, rank=4, alpha=8, seed=0)
+    g = torch.Generator().manual_seed(0)
+    sequences = [(torch.randint(3, vocab, (12,), generator=g).tolist(), torch.randint(3, vocab, (n,), generator=g).tolist())
+                 for n in (40, 25, 40, 31)]  # 136 completion tokens: 8.5 chunks
+    batch = RolloutBatch(sequences, [[-5.0] * len(c) for _, c in sequences], torch.tensor([[0.0, 1.0], [1.0, 0.5]]),
+                         version=0, seconds=0.0)
+    config = load_config(None, [f"train.logit_chunk_tokens={chunk}", "train.kl_coef=0.05", "train.entropy_coef=0.01",
+                                "train.tis_cap=2.0", "train.mini_batches=2"])
+
+    class LargestVocabTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and t.shape[-1] == vocab
+                        and not func.is_view):  # a transposed view of the head weight allocates nothing
+                    type(self).largest = max(type(self).largest, t.numel() // vocab)
+            return out
+
+    optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-3)
+    with LargestVocabTensor():
+        metrics = policy_update(model, optimizer, batch, config.train, pad_id=0)
+    assert metrics["optimizer_steps"] == 2 and metrics["entropy"] > 0
+    assert 0 < LargestVocabTensor.largest <= chunk  # rows of vocab logits alive at once
