@@ -4,6 +4,8 @@ It builds the configured `SyncMode` (`graft.sync.modes`), syncs each new version
 verifies delivery when `sync.verify` is on, and returns the per-step metrics the run directory
 contract names (`sync_mode`, `sync_seconds`, `sync_bytes`, `engine_adapters_loaded`,
 `logprob_abs_diff_max`).
+Also `engines_live`: the engines still serving the run (a pool drops those that fail, see
+`graft.rollout.pool`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from graft.config import GraftConfig
 from graft.rollout.engine import RolloutEngine
+from graft.rollout.pool import live_engine_count
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
@@ -59,7 +62,8 @@ class PolicySync:
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
-                "logprob_abs_diff_max": gap, "policy_version": result.version}
+                "logprob_abs_diff_max": gap, "policy_version": result.version,
+                "engines_live": live_engine_count(self.engine)}
 
     def discard_from(self, version: int) -> None:
         """Forget published versions >= `version` on disk, before (re)publishing from `version`."""
