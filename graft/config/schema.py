@@ -162,8 +162,9 @@ class RolloutConfig(_Section):
     def _check_failover(self) -> "RolloutConfig":
         engines = max(len(self.urls), 1)
         if self.min_engines > engines:
+            launched = "" if self.urls else ", or the one graft launches"
             raise ConfigError(f"rollout.min_engines ({self.min_engines}) exceeds the number of servers ({engines}: "
-                              f"{len(self.urls)} in rollout.urls{', or the one graft launches' if not self.urls else ''})",
+                              f"{len(self.urls)} in rollout.urls{launched})",
                               keys=("rollout.min_engines", "rollout.urls"))
         return self
 

@@ -18,8 +18,9 @@ def test_failover_and_timeout_defaults():
 def test_min_engines_above_the_number_of_servers_is_rejected(overrides, shown):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
-    assert str(error.value).startswith(f"rollout.min_engines ({overrides[0][-1]}) exceeds the number of servers {shown}")
-    assert "from override 'rollout.min_engines=" in str(error.value)
+    message = str(error.value)
+    assert message.startswith(f"rollout.min_engines ({overrides[0][-1]}) exceeds the number of servers {shown}")
+    assert "from override 'rollout.min_engines=" in message
 
 
 @pytest.mark.parametrize("override", ["rollout.control_timeout_s=0", "rollout.request_timeout_s=-1",
