@@ -119,6 +119,7 @@ class EnginePool:
 
     @property
     def engines_live(self) -> int:
+        """How many members serve the run now (the `engines_live` metric)."""
         return len(self._live())
 
     @property
@@ -279,8 +280,7 @@ class EnginePool:
         down = [f"{h.address}: {h.detail or 'unhealthy'}" for h in each if not h.healthy]
         down += [f"{address}: dropped ({cause})" for address, cause in self.dropped.items()]
         common = set.intersection(*(set(h.adapters) for h in each))
-        return EngineHealth(self.address, not any(not h.healthy for h in each), tuple(sorted(common)),
-                            "; ".join(down))
+        return EngineHealth(self.address, all(h.healthy for h in each), tuple(sorted(common)), "; ".join(down))
 
     @staticmethod
     async def _health_of(address: str, engine: RolloutEngine) -> EngineHealth:
