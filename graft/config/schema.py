@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     field_validator,
     model_validator,
 )
@@ -134,6 +135,46 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(
         0, ge=0, description="How many policy versions rollouts may lag the trainer; 0 = fully on-policy."
     )
+    min_engines: int = Field(
+        1, ge=1, description="Fewest live servers a run goes on with: a server of rollout.urls that dies or "
+        "freezes is dropped for the rest of the run (its requests retried on the others) while at least this "
+        "many stay; below it the run stops. Set it to the number of URLs to stop at the first failure."
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds one generation request (and a base-weight reload) may take."
+    )
+    control_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds an adapter load/unload, model list or health call may take; also how "
+        "long a generation waits unanswered before the server's health is probed. A frozen server is noticed "
+        "within it (generation: within twice it). Keep it above 20 for SGLang, whose /health generates a token."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="API key of the servers (vLLM/SGLang --api-key), sent as 'Authorization: Bearer'. "
+        "Discouraged: it is then in your config file; prefer rollout.api_key_env. Never printed or saved."
+    )
+    api_key_env: str | None = Field(
+        "VLLM_API_KEY", description="Name of the environment variable holding the servers' API key, read when "
+        "the run opens its engines (unset or empty: no key). The default is the variable vLLM itself reads, so "
+        "a server graft launches with it set and graft's requests agree."
+    )
+
+    @model_validator(mode="after")
+    def _check_failover(self) -> "RolloutConfig":
+        engines = max(len(self.urls), 1)
+        if self.min_engines > engines:
+            launched = "" if self.urls else ", or the one graft launches"
+            raise ConfigError(f"rollout.min_engines ({self.min_engines}) exceeds the number of servers ({engines}: "
+                              f"{len(self.urls)} in rollout.urls{launched})",
+                              keys=("rollout.min_engines", "rollout.urls"))
+        return self
+
+    @model_validator(mode="after")
+    def _check_one_key_source(self) -> "RolloutConfig":
+        if self.api_key is not None and self.api_key_env is not None and "api_key_env" in self.model_fields_set:
+            raise ConfigError("rollout.api_key and rollout.api_key_env are both set: keep one (api_key_env is "
+                              "better: the key then stays out of config files)", keys=("rollout.api_key",
+                                                                                      "rollout.api_key_env"))
+        return self
 
     @field_validator("max_lora_rank")
     @classmethod

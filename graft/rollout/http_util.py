@@ -71,6 +71,29 @@ async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str,
     raise AssertionError("unreachable")
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that vLLM (`--api-key` / VLLM_API_KEY) and SGLang (`--api-key`) check; none
+    without a key. vLLM checks it only on /v1/* routes: /health and the dev endpoints (/pause,
+    /collective_rpc, /reset_prefix_cache) stay open, which is why servers bind to loopback."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def raise_if_unauthorized(response: httpx.Response, *, address: str, sent_key: bool) -> None:
+    """One clear error for 401/403 instead of the server's bare "Unauthorized" (never the key).
+
+    Raises:
+        BadRequestError: The server wants an API key and got none, or not the one it expects.
+    """
+    if response.status_code not in (401, 403):
+        return
+    what = ("rejected the API key graft sent" if sent_key else
+            "requires an API key and graft sent none")
+    raise BadRequestError(f"{response.request.method} {response.request.url.path} -> HTTP {response.status_code}: "
+                          f"the server {what}: put the server's key in the environment variable named by "
+                          "rollout.api_key_env (default VLLM_API_KEY) or in rollout.api_key",
+                          address=address, status=response.status_code)
+
+
 def error_class_for_status(status: int) -> type[EngineError]:
     """The typed error of an HTTP error status when the server's words name no adapter problem:
     the server refused this request (4xx) or cannot serve now (5xx; 429 too: it is transient)."""

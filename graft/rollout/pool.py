@@ -1,11 +1,26 @@
-"""`EnginePool`: N rollout engines behind the one `RolloutEngine` protocol.
+"""`EnginePool`: N rollout engines behind the one `RolloutEngine` protocol, with failover.
 
-Generation is spread by least outstanding requests: each `GenerateRequest` goes to the engine with
-the fewest requests in flight right now (ties: round robin), so a slow or busy engine gets fewer new
-requests without any timing model. Adapter loads/unloads and weight reloads are broadcast to every
-engine at once, and a failure anywhere is raised (`PoolBroadcastError`) naming each failing engine's
-address and error, and the engines that succeeded: a policy version missing on one engine is never
-silently served by the others.
+Generation is spread by least outstanding requests: each `GenerateRequest` goes to the live engine
+with the fewest requests in flight right now (ties: round robin), so a slow or busy engine gets
+fewer new requests without any timing model. Adapter loads/unloads and weight reloads are broadcast
+to every live engine at once.
+
+Failover. A member that stops serving is *dropped*: never used again in this run, because it may
+have missed a policy version, so a version missing on one engine is never silently served by the
+others. It is dropped only while at least `min_engines` stay live; otherwise the failure is raised.
+Each drop is one warning line naming the address and the cause; `engines_live` counts the rest.
+
+- Generation: a request whose member fails with `EngineUnavailableError` is retried on another
+  live member if that member's `health()` fails too (then it is dropped); a member that is still
+  healthy gave a real error, which is raised as before. A request unanswered for `probe_after_s`
+  triggers the same health probe (shared by all requests waiting on that member), so a frozen
+  server is dropped within `probe_after_s` + one health call instead of the generation timeout.
+  A retried request is sent again whole; with a seed it samples what it would have sampled.
+- Broadcasts: a member that fails with `EngineUnavailableError` and no HTTP answer (refused,
+  no answer within the call's timeout, connection lost) is dropped; one that answered 5xx is
+  dropped if its health probe fails. Any other failure (e.g. `BadRequestError`: the adapter cannot
+  load), or drops that would leave fewer than `min_engines`, fails the whole broadcast with
+  `PoolBroadcastError` naming each failing engine's address and error, as without failover.
 
 An engine's address is its `address` attribute (HTTP clients: their base URL; the in-process
 reference engine: "in-process"), else its repr.
@@ -14,30 +29,40 @@ reference engine: "in-process"), else its repr.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable, Sequence
 
 from graft.rollout.engine import (
     Completion,
     EngineError,
     EngineHealth,
+    EngineUnavailableError,
     GenerateRequest,
     RolloutEngine,
 )
 from graft.rollout.http_util import gather_cancel_on_error
 
+log = logging.getLogger(__name__)
+
 
 class PoolBroadcastError(EngineError):
     """A broadcast call failed on some engines. `failures` maps address -> exception (each kept
-    whole, with its own type and traceback); `succeeded` lists the addresses where it worked."""
+    whole, with its own type and traceback); `succeeded` lists the addresses where it worked;
+    `note` says why failed members were not simply dropped, when that was the reason."""
 
-    def __init__(self, operation: str, failures: dict[str, BaseException], succeeded: Sequence[str]) -> None:
+    def __init__(self, operation: str, failures: dict[str, BaseException], succeeded: Sequence[str],
+                 note: str = "") -> None:
         reasons = "; ".join(f"{address}: {type(exc).__name__}: {exc}" for address, exc in failures.items())
         total = len(failures) + len(succeeded)
         super().__init__(f"{operation} failed on {len(failures)}/{total} engine(s): {reasons} "
-                         f"(succeeded on: {', '.join(succeeded) or 'none'})")
+                         f"(succeeded on: {', '.join(succeeded) or 'none'}){f'; {note}' if note else ''}")
         self.operation = operation
         self.failures = dict(failures)
         self.succeeded = list(succeeded)
+
+
+class _MemberDown(EngineUnavailableError):
+    """A member's health probe failed: it is down, no second probe needed."""
 
 
 def engine_address(engine: object) -> str:
@@ -45,108 +70,217 @@ def engine_address(engine: object) -> str:
     return str(getattr(engine, "address", repr(engine)))
 
 
+def live_engine_count(engine: RolloutEngine) -> int:
+    """Engines serving the run: a pool's live members, else 1 (a single engine that failed has
+    already ended the run)."""
+    return engine.engines_live if isinstance(engine, EnginePool) else 1
+
+
 class EnginePool:
-    """Least-outstanding-requests generation over `engines`, broadcast for everything else.
+    """Least-outstanding-requests generation over the live members, broadcast for everything else.
 
     Args:
         engines: One or more RolloutEngines (HTTP clients, the reference engine, or pools).
+        min_engines: Fewest live members the pool may drop down to (`rollout.min_engines`); a
+            failure that would go below is raised instead. `len(engines)` turns failover off.
+        probe_after_s: Seconds a generation may go unanswered before its member's health is
+            probed (`rollout.control_timeout_s`: the health call's own timeout is the same).
 
     Raises:
-        ValueError: No engines.
+        ValueError: No engines, or min_engines outside 1..len(engines).
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], *, min_engines: int = 1, probe_after_s: float = 30.0) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
-        self.engines = list(engines)
-        self.addresses = _unique([engine_address(e) for e in self.engines])
+        if not 1 <= min_engines <= len(engines):
+            raise ValueError(f"min_engines must be in 1..{len(engines)} (the pool's size), got {min_engines}")
+        self.members = list(engines)
+        self.addresses = _unique([engine_address(e) for e in self.members])
         self.address = f"pool[{', '.join(self.addresses)}]"
-        self._in_flight = [0] * len(self.engines)
+        self.min_engines = min_engines
+        self.probe_after_s = probe_after_s
+        self.dropped: dict[str, str] = {}  # address -> cause, in the order they were dropped
+        self._in_flight = [0] * len(self.members)
+        self._running: list[set[asyncio.Future]] = [set() for _ in self.members]  # generate calls per member
+        self._probes: dict[int, asyncio.Future] = {}  # health probe in progress per member
         self._next = 0  # round-robin start among engines tied for fewest in flight
 
     def __repr__(self) -> str:
         return f"EnginePool({self.addresses})"
 
+    def _live(self) -> list[int]:
+        return [i for i, a in enumerate(self.addresses) if a not in self.dropped]
+
+    @property
+    def engines(self) -> list[RolloutEngine]:
+        """The live members (what verification and any per-engine code must use)."""
+        return [self.members[i] for i in self._live()]
+
+    @property
+    def engines_live(self) -> int:
+        """How many members serve the run now (the `engines_live` metric)."""
+        return len(self._live())
+
     @property
     def in_flight(self) -> dict[str, int]:
-        """Requests in flight per engine address, now."""
+        """Requests in flight per engine address (dropped members included), now."""
         return dict(zip(self.addresses, self._in_flight))
 
     # -- generation -----------------------------------------------------------------------------
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
-        """Each request to the least-busy engine; answers in input order. The first engine error is
+        """Each request to the least-busy live engine; answers in input order. A request whose
+        engine went down is retried on another (module docstring); any other engine error is
         raised as is (the other requests of this call are cancelled)."""
         return await gather_cancel_on_error(self._generate_one(r, adapter) for r in requests)
 
     def _pick(self) -> int:
-        fewest = min(self._in_flight)
-        count = len(self.engines)
+        live = self._live()
+        fewest = min(self._in_flight[i] for i in live)
+        count = len(self.members)
         for k in range(count):
             i = (self._next + k) % count
-            if self._in_flight[i] == fewest:
+            if i in live and self._in_flight[i] == fewest:
                 self._next = (i + 1) % count
                 return i
-        raise AssertionError("min() of the counters is one of them")
+        raise AssertionError("min() of the live counters is one of them")
 
     async def _generate_one(self, request: GenerateRequest, adapter: str | None) -> list[Completion]:
-        # Pick and count before the first await, so requests started together see each other.
-        i = self._pick()
-        self._in_flight[i] += 1
+        while True:
+            # Pick and count before the first await, so requests started together see each other.
+            i = self._pick()
+            self._in_flight[i] += 1
+            try:
+                completions = await self._answer(i, request, adapter)
+            except EngineUnavailableError as error:
+                if not await self._down(i, error, probe=True):
+                    raise
+                self._drop(i, error)
+                continue
+            finally:
+                self._in_flight[i] -= 1
+            if completions is not None:
+                return completions
+
+    async def _answer(self, i: int, request: GenerateRequest, adapter: str | None) -> list[Completion] | None:
+        """Member i's completions for `request`; None when member i was dropped meanwhile. Probes
+        member i's health each `probe_after_s` without an answer; `_MemberDown` if the probe fails."""
+        task = asyncio.ensure_future(self.members[i].generate([request], adapter))
+        self._running[i].add(task)
         try:
-            (completions,) = await self.engines[i].generate([request], adapter)
+            while True:
+                await asyncio.wait({task}, timeout=self.probe_after_s)
+                if task.done():
+                    return None if task.cancelled() else task.result()[0]  # only _drop cancels it
+                health = await self._probe(i)
+                if not health.healthy:
+                    raise _MemberDown(f"no answer to a generation for {self.probe_after_s:g} s, then health "
+                                      f"failed: {health.detail}", address=self.addresses[i])
         finally:
-            self._in_flight[i] -= 1
-        return completions
+            self._running[i].discard(task)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # -- failover -------------------------------------------------------------------------------
+
+    async def _probe(self, i: int) -> EngineHealth:
+        """Member i's health; concurrent callers share one probe."""
+        probe = self._probes.get(i)
+        if probe is None or probe.done():
+            probe = self._probes[i] = asyncio.ensure_future(self._health_of(self.addresses[i], self.members[i]))
+        return await asyncio.shield(probe)
+
+    async def _down(self, i: int, error: BaseException, *, probe: bool) -> bool:
+        """Whether member i failed because it is not serving (module docstring). `probe`: confirm
+        even an unanswered call with a health probe (generation: a long one may just time out)."""
+        if not isinstance(error, EngineUnavailableError):
+            return False
+        if self.addresses[i] in self.dropped or isinstance(error, _MemberDown):
+            return True
+        if error.status is None and not probe:
+            return True
+        return not (await self._probe(i)).healthy
+
+    def _drop(self, i: int, cause: BaseException) -> None:
+        """Take member i out of the run for good, cancelling its running requests (they retry
+        elsewhere); one warning line. Raises `cause`, annotated, if fewer than min_engines would stay."""
+        address = self.addresses[i]
+        if address in self.dropped:
+            return
+        reason = getattr(cause, "server_message", None) or f"{type(cause).__name__}: {cause}"
+        left = self.engines_live - 1
+        if left < self.min_engines:
+            raise EngineUnavailableError(f"{reason}; not dropped from the pool: {left} live engine(s) would "
+                                         f"remain, fewer than min_engines={self.min_engines}",
+                                         address=address) from cause
+        self.dropped[address] = reason
+        for task in self._running[i]:
+            task.cancel()
+        log.warning("rollout engine %s dropped from the pool, %d of %d still live: %s",
+                    address, left, len(self.members), self.dropped[address])
 
     # -- broadcast ------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load on every engine at once; PoolBroadcastError if any engine failed."""
+        """Load on every live engine at once; PoolBroadcastError if it failed (module docstring)."""
         await self._broadcast(f"load_adapter({name!r})", lambda e: e.load_adapter(name, path))
 
     async def unload_adapter(self, name: str) -> None:
-        """Unload on every engine at once; PoolBroadcastError if any engine failed."""
+        """Unload on every live engine at once; PoolBroadcastError if it failed."""
         await self._broadcast(f"unload_adapter({name!r})", lambda e: e.unload_adapter(name))
 
     async def reload_weights(self, path: str) -> None:
-        """Reload base weights on every engine at once; PoolBroadcastError if any engine failed."""
+        """Reload base weights on every live engine at once; PoolBroadcastError if it failed."""
         await self._broadcast(f"reload_weights({path!r})", lambda e: e.reload_weights(path))
 
     async def adapters_by_engine(self) -> dict[str, list[str]]:
-        """Each engine's loaded adapters, by address."""
+        """Each live engine's loaded adapters, by address."""
         names = await self._broadcast("list_adapters()", lambda e: e.list_adapters())
-        return dict(zip(self.addresses, (sorted(n) for n in names)))
+        return {address: sorted(n) for address, n in names.items()}
 
     async def list_adapters(self) -> list[str]:
-        """Adapters loaded on ALL engines (the ones a request may name, whichever engine gets it)."""
+        """Adapters loaded on ALL live engines (the ones a request may name, whichever engine gets it)."""
         per_engine = await self.adapters_by_engine()
         common = set.intersection(*(set(names) for names in per_engine.values()))
         return sorted(common)
 
-    async def _broadcast(self, operation: str, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
-        """Run `call` on every engine at once; return the answers in engine order, or raise
-        PoolBroadcastError naming every failure once all engines have answered."""
-        results = await asyncio.gather(*(call(e) for e in self.engines), return_exceptions=True)
-        failures = {a: r for a, r in zip(self.addresses, results) if isinstance(r, BaseException)}
+    async def _broadcast(self, operation: str, call: Callable[[Any], Awaitable[Any]]) -> dict[str, Any]:
+        """Run `call` on every live engine at once; the answers by address of the engines that
+        stay live, or PoolBroadcastError naming every failure once all engines have answered."""
+        live = self._live()
+        results = await asyncio.gather(*(call(self.members[i]) for i in live), return_exceptions=True)
+        failures = {i: r for i, r in zip(live, results) if isinstance(r, BaseException)}
         if failures:
-            succeeded = [a for a in self.addresses if a not in failures]
-            raise PoolBroadcastError(operation, failures, succeeded) from next(iter(failures.values()))
-        return results
+            down = await asyncio.gather(*(self._down(i, e, probe=False) for i, e in failures.items()))
+            note = ""
+            if all(down) and len(live) - len(failures) < self.min_engines:
+                note = (f"not dropped from the pool: {len(live) - len(failures)} live engine(s) would remain, "
+                        f"fewer than min_engines={self.min_engines}")
+            if not all(down) or note:
+                raise PoolBroadcastError(operation, {self.addresses[i]: e for i, e in failures.items()},
+                                         [self.addresses[i] for i in live if i not in failures],
+                                         note) from next(iter(failures.values()))
+            for i, error in failures.items():
+                self._drop(i, error)
+        return {self.addresses[i]: r for i, r in zip(live, results) if i not in failures}
 
     # -- health ---------------------------------------------------------------------------------
 
     async def health_all(self) -> list[EngineHealth]:
-        """Each engine's health, in engine order; never raises."""
-        return list(await asyncio.gather(*(self._health_of(a, e) for a, e in zip(self.addresses, self.engines))))
+        """Each member's health (dropped ones too: they stay dropped whatever they say), in order;
+        never raises."""
+        return list(await asyncio.gather(*(self._health_of(a, e) for a, e in zip(self.addresses, self.members))))
 
     async def health(self) -> EngineHealth:
-        """Healthy only if every engine is; adapters are those loaded on every engine; `detail`
-        names the unhealthy engines and why."""
-        each = await self.health_all()
+        """Healthy only if every live engine is; adapters are those loaded on every live engine;
+        `detail` names the unhealthy and the dropped engines and why."""
+        each = [h for h in await self.health_all() if h.address not in self.dropped]
         down = [f"{h.address}: {h.detail or 'unhealthy'}" for h in each if not h.healthy]
+        down += [f"{address}: dropped ({cause})" for address, cause in self.dropped.items()]
         common = set.intersection(*(set(h.adapters) for h in each))
-        return EngineHealth(self.address, not down, tuple(sorted(common)), "; ".join(down))
+        return EngineHealth(self.address, all(h.healthy for h in each), tuple(sorted(common)), "; ".join(down))
 
     @staticmethod
     async def _health_of(address: str, engine: RolloutEngine) -> EngineHealth:
@@ -156,8 +290,8 @@ class EnginePool:
             return EngineHealth(address, False, (), f"health() raised {type(exc).__name__}: {exc}")
 
     async def aclose(self) -> None:
-        """Close every engine that holds connections (has an `aclose`)."""
-        await asyncio.gather(*(e.aclose() for e in self.engines if hasattr(e, "aclose")))
+        """Close every member that holds connections (has an `aclose`), dropped ones included."""
+        await asyncio.gather(*(e.aclose() for e in self.members if hasattr(e, "aclose")))
 
 
 def _unique(addresses: list[str]) -> list[str]:

@@ -56,14 +56,20 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
+from graft.rollout.http_util import (
+    auth_headers,
+    error_class_for_status,
+    gather_cancel_on_error,
+    raise_if_unauthorized,
+    send,
+    server_message,
+)
 
 _FINISH_REASONS = ("stop", "length")
 # Substrings of SGLang's own messages (see the module docstring for where each comes from).
 _ALREADY_LOADED = ("already loaded", "already exists")
 _NOT_LOADED = ("does not exist", "never been loaded", "are not loaded")
 _RETRY_BASE_S = 0.2
-_HEALTH_TIMEOUT_S = 30.0  # SGLang's /health runs a 1-token generation and waits up to 20 s.
 
 
 # --- request building (pure) -------------------------------------------------------------------
@@ -193,21 +199,26 @@ class SglangClient:
     Args:
         base_url: e.g. "http://127.0.0.1:30000"; also this engine's `address`.
         max_concurrency: `/generate` calls in flight at once.
-        timeout_s: Per-call timeout (connect, read, write).
+        request_timeout_s: Timeout of a `/generate` and of a weight update (connect, read, write).
+        control_timeout_s: Timeout of every other call. Keep it above 20 s: SGLang's /health runs
+            a 1-token generation and waits up to 20 s for it.
         connect_retries: Retries after a refused/timed-out *connection* (nothing was sent, so a
             retry cannot apply a call twice), with exponential backoff from 0.2 s.
+        api_key: Sent as `Authorization: Bearer <key>` (SGLang's `--api-key`); None sends nothing.
     """
 
-    def __init__(self, base_url: str, *, max_concurrency: int = 64, timeout_s: float = 300.0,
-                 connect_retries: int = 3) -> None:
-        if max_concurrency < 1 or timeout_s <= 0 or connect_retries < 0:
-            raise ValueError(f"need max_concurrency >= 1, timeout_s > 0, connect_retries >= 0 (got "
-                             f"{max_concurrency}, {timeout_s}, {connect_retries})")
+    def __init__(self, base_url: str, *, max_concurrency: int = 64, request_timeout_s: float = 300.0,
+                 control_timeout_s: float = 30.0, connect_retries: int = 3, api_key: str | None = None) -> None:
+        if max_concurrency < 1 or min(request_timeout_s, control_timeout_s) <= 0 or connect_retries < 0:
+            raise ValueError(f"need max_concurrency >= 1, timeouts > 0, connect_retries >= 0 (got {max_concurrency}, "
+                             f"{request_timeout_s}, {control_timeout_s}, {connect_retries})")
         self.base_url = base_url.rstrip("/")
         self.address = self.base_url
         self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
         self.connect_retries = connect_retries
+        self._headers = auth_headers(api_key)
         self._loaded: dict[str, str] = {}  # name -> path, as SGLang last reported it
         self._unloaded: set[str] = set()  # names this client unloaded (SGLang would re-load them)
         # httpx clients and asyncio semaphores bind to the event loop that first uses them.
@@ -270,7 +281,8 @@ class SglangClient:
         Raises:
             EngineError (typed by status): either step failed, with SGLang's message.
         """
-        status, body = await self._call("POST", "/update_weights_from_disk", build_update_weights_payload(path))
+        status, body = await self._call("POST", "/update_weights_from_disk", build_update_weights_payload(path),
+                                        timeout_s=self.request_timeout_s)
         check_weights_update(body, status, address=self.address)
         try:
             await self._call("POST", "/flush_cache")
@@ -283,7 +295,7 @@ class SglangClient:
     async def health(self) -> EngineHealth:
         """`GET /health` (SGLang generates one token); unhealthy with the reason instead of raising."""
         try:
-            await self._call("GET", "/health", timeout_s=min(self.timeout_s, _HEALTH_TIMEOUT_S), retries=0)
+            await self._call("GET", "/health", retries=0)
         except EngineError as exc:
             return EngineHealth(self.address, False, tuple(sorted(self._loaded)), str(exc))
         return EngineHealth(self.address, True, tuple(sorted(self._loaded)))
@@ -292,14 +304,15 @@ class SglangClient:
 
     async def _generate_one(self, request: GenerateRequest, adapter: str | None) -> list[Completion]:
         async with self._ensure_loop_state()[1]:
-            _, body = await self._call("POST", "/generate", build_generate_payload(request, adapter))
+            _, body = await self._call("POST", "/generate", build_generate_payload(request, adapter),
+                                       timeout_s=self.request_timeout_s)
         return parse_generate_response(body, request.params.n, address=self.address)
 
     def _ensure_loop_state(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._http is None or self._slots is None:
             # trust_env=False: loopback servers must not be reached through an http_proxy.
-            self._http = httpx.AsyncClient(base_url=self.base_url, trust_env=False,
+            self._http = httpx.AsyncClient(base_url=self.base_url, trust_env=False, headers=self._headers,
                                            limits=httpx.Limits(max_connections=self.max_concurrency))
             self._slots = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
@@ -307,11 +320,13 @@ class SglangClient:
 
     async def _call(self, method: str, route: str, payload: dict[str, Any] | None = None, *,
                     timeout_s: float | None = None, retries: int | None = None) -> tuple[int, Any]:
-        """Send one call; return (status, JSON body or text) for 2xx, raise the typed error otherwise.
-        LoRA routes answer 400 with a `success: false` body, which their parser turns into the
-        adapter-specific error, so those bodies are returned rather than raised here."""
-        response = await self._send(method, route, payload, timeout_s or self.timeout_s,
+        """Send one call (under the control timeout unless `timeout_s`); return (status, JSON body
+        or text) for 2xx, raise the typed error otherwise. LoRA routes answer 400 with a
+        `success: false` body, which their parser turns into the adapter-specific error, so those
+        bodies are returned rather than raised here."""
+        response = await self._send(method, route, payload, timeout_s or self.control_timeout_s,
                                     self.connect_retries if retries is None else retries)
+        raise_if_unauthorized(response, address=self.address, sent_key=bool(self._headers))
         try:
             body: Any = response.json()
         except ValueError:

@@ -13,6 +13,15 @@ when temperature == top_p == 1.
 Retry policy (`graft.rollout.http_util.send`, shared with the SGLang client): only a failure to
 connect is retried, `connect_retries` times with exponential backoff; a timeout, a connection lost
 after sending and every HTTP error status are raised at once.
+
+Timeouts: a generation may legitimately take minutes, so it has its own `request_timeout_s`; so do
+the calls that wait for generations or read a whole model (`/pause?mode=wait`, the weight reload).
+Every other call (adapters, model list, health, cache reset, resume) answers in well under a
+second on a serving server, so `control_timeout_s` can be short and a frozen server is noticed
+within it.
+
+Authentication: with `api_key`, every call carries `Authorization: Bearer <key>`, which vLLM
+checks on /v1/* when started with `--api-key` or with VLLM_API_KEY in its environment.
 """
 
 from __future__ import annotations
@@ -31,7 +40,14 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
+from graft.rollout.http_util import (
+    auth_headers,
+    error_class_for_status,
+    gather_cancel_on_error,
+    raise_if_unauthorized,
+    send,
+    server_message,
+)
 
 
 def error_for(status: int, message: str, address: str) -> EngineError:
@@ -99,9 +115,12 @@ class VllmClient:
         base_url: The server, e.g. `http://127.0.0.1:8000`.
         model: The served base model's name; None discovers it once from `GET /v1/models`.
         max_concurrency: Completion requests in flight at once, across all `generate` calls.
-        timeout_s: Per-HTTP-request timeout (connect, read, write and pool wait).
+        request_timeout_s: Timeout of one generation, and of the pause and reload that wait on
+            generations or read a model (connect, read, write and pool wait).
+        control_timeout_s: Timeout of every other call (adapters, model list, health).
         connect_retries: Retries after a connection error (the first try not counted).
         retry_backoff_s: First retry delay; doubled for each further retry.
+        api_key: Sent as `Authorization: Bearer <key>` (vLLM's `--api-key`); None sends nothing.
         transport: An httpx transport to use instead of the network (tests, instrumentation).
 
     Example:
@@ -110,7 +129,8 @@ class VllmClient:
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, max_concurrency: int = 64,
-                 timeout_s: float = 300, connect_retries: int = 3, retry_backoff_s: float = 0.5,
+                 request_timeout_s: float = 300, control_timeout_s: float = 30, connect_retries: int = 3,
+                 retry_backoff_s: float = 0.5, api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         if max_concurrency < 1 or connect_retries < 0:
             raise ValueError(f"max_concurrency must be >= 1 and connect_retries >= 0 "
@@ -119,13 +139,15 @@ class VllmClient:
         self._model = model
         self._connect_retries = connect_retries
         self._retry_backoff_s = retry_backoff_s
-        self._timeout_s = timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._sends_key = bool(api_key)
         self._semaphore = asyncio.Semaphore(max_concurrency)
         # Headroom over the semaphore for adapter/health calls made while generating.
         limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
         # trust_env=False: loopback requests must not go through an http_proxy from the environment.
-        self._http = httpx.AsyncClient(base_url=self.address, timeout=timeout_s, limits=limits,
-                                       trust_env=False, transport=transport)
+        self._http = httpx.AsyncClient(base_url=self.address, timeout=request_timeout_s, limits=limits,
+                                       headers=auth_headers(api_key), trust_env=False, transport=transport)
 
     async def __aenter__(self) -> VllmClient:
         return self
@@ -136,11 +158,15 @@ class VllmClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, *, retries: int | None = None, **kwargs) -> httpx.Response:
-        """One HTTP call; a 2xx response, or a typed `EngineError`."""
-        response = await send(self._http, method, path, address=self.address, timeout_s=self._timeout_s,
+    async def _call(self, method: str, path: str, *, retries: int | None = None, long: bool = False,
+                    **kwargs) -> httpx.Response:
+        """One HTTP call (`long`: under the request timeout, else the control timeout); a 2xx
+        response, or a typed `EngineError`."""
+        response = await send(self._http, method, path, address=self.address,
+                              timeout_s=self._request_timeout_s if long else self._control_timeout_s,
                               retries=self._connect_retries if retries is None else retries,
                               backoff_s=self._retry_backoff_s, **kwargs)
+        raise_if_unauthorized(response, address=self.address, sent_key=self._sends_key)
         if response.status_code >= 400:
             raise error_for(response.status_code, server_message(response.text), self.address)
         return response
@@ -166,7 +192,8 @@ class VllmClient:
 
         async def one(request: GenerateRequest) -> list[Completion]:
             async with self._semaphore:
-                response = await self._call("POST", "/v1/completions", json=completion_payload(request, model))
+                response = await self._call("POST", "/v1/completions", long=True,
+                                            json=completion_payload(request, model))
             return parse_completions(response.json(), request.params.n, self.address)
 
         return await gather_cancel_on_error(one(r) for r in requests)
@@ -204,10 +231,10 @@ class VllmClient:
         reset is needed: vLLM's reload keeps prefix-cache blocks computed with the old weights.
         Resume runs even when a step fails, so the server is never left paused.
         """
-        await self._call("POST", "/pause", params={"mode": "wait"})
+        await self._call("POST", "/pause", long=True, params={"mode": "wait"})
         try:
             try:
-                await self._call("POST", "/collective_rpc",
+                await self._call("POST", "/collective_rpc", long=True,
                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             except EngineError as error:
                 raise _naming_path(error, path) from error

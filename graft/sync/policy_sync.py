@@ -3,7 +3,8 @@
 It builds the configured `SyncMode` (`graft.sync.modes`), syncs each new version through it,
 verifies delivery when `sync.verify` is on, and returns the per-step metrics the run directory
 contract names (`sync_mode`, `sync_seconds`, `sync_bytes`, `engine_adapters_loaded`,
-`logprob_abs_diff_max`).
+`logprob_abs_diff_max`), and `engines_live`: the engines still serving the run (a pool drops those that fail, see
+`graft.rollout.pool`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from graft.config import GraftConfig
 from graft.rollout.engine import RolloutEngine
+from graft.rollout.pool import live_engine_count
 from graft.sync.guard import check_finite_policy
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
@@ -71,7 +73,8 @@ class PolicySync:
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
-                "logprob_abs_diff_max": gap, "policy_version": result.version}
+                "logprob_abs_diff_max": gap, "policy_version": result.version,
+                "engines_live": live_engine_count(self.engine)}
 
     def discard_from(self, version: int) -> None:
         """Forget published versions >= `version` on disk, before (re)publishing from `version`."""

@@ -62,7 +62,8 @@ def test_pool_with_a_dead_server_names_it_and_broadcasts_to_the_live_one(vllm_se
 
     async def scenario():
         live_client = VllmClient(vllm_server.url)
-        pool = EnginePool([live_client, VllmClient(dead, connect_retries=0)])
+        # min_engines=2: no failover, so the broadcast fails (failover: test_pool_faults.py).
+        pool = EnginePool([live_client, VllmClient(dead, connect_retries=0)], min_engines=2)
         try:
             health = {h.address: h.healthy for h in await pool.health_all()}
             assert health == {vllm_server.url: True, dead: False}

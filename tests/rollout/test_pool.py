@@ -222,9 +222,10 @@ def closed_loopback_url() -> str:
 
 
 def test_unreachable_http_engine_is_named_in_health_and_in_broadcast_errors():
+    """Without failover (min_engines = every engine) an unreachable member fails the broadcast."""
     url = closed_loopback_url()
     healthy = FakeEngine("in-process")
-    pool = EnginePool([SglangClient(url, connect_retries=0), healthy])
+    pool = EnginePool([SglangClient(url, connect_retries=0), healthy], min_engines=2)
 
     async def run():
         each = await pool.health_all()
@@ -238,4 +239,26 @@ def test_unreachable_http_engine_is_named_in_health_and_in_broadcast_errors():
     assert "cannot connect" in each[0].detail
     assert list(err.failures) == [url] and isinstance(err.failures[url], EngineUnavailableError)
     assert f"{url}: EngineUnavailableError" in str(err) and "succeeded on: in-process" in str(err)
+    assert "not dropped from the pool: 1 live engine(s) would remain, fewer than min_engines=2" in str(err)
     assert healthy.calls == [("load", "policy-v5")] and healthy.adapters == {"policy-v5"}
+    assert pool.engines_live == 2 and pool.dropped == {}
+
+
+def test_unreachable_http_engine_is_dropped_with_one_warning_and_never_used_again(caplog):
+    url = closed_loopback_url()
+    healthy = FakeEngine("in-process")
+    pool = EnginePool([SglangClient(url, connect_retries=0), healthy])
+
+    async def run():
+        await pool.load_adapter("policy-v5", "/w/adapter-v000005")
+        out = await pool.generate([request(i) for i in range(4)], adapter="policy-v5")
+        await pool.aclose()
+        return out
+
+    with caplog.at_level("WARNING", logger="graft.rollout.pool"):
+        out = asyncio.run(run())
+    assert [c[0].text for c in out] == ["in-process"] * 4
+    assert pool.engines == [healthy] and pool.engines_live == 1 and list(pool.dropped) == [url]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"rollout engine {url} dropped from the pool, 1 of 2 still live: POST /load_lora_adapter: "
+                           "cannot connect")

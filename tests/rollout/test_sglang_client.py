@@ -136,6 +136,7 @@ class FakeSglang:
         self.loaded: dict[str, str] = {}
         self.next_answer: dict[str, tuple[int, object]] = {}  # path -> answer for its next call only
         self.generate_delay_s = 0.0
+        self.api_key: str | None = None  # SGLang's --api-key: every route but /health needs the Bearer key
         self.active = self.peak_active = 0
         self._lock = threading.Lock()
         fake = self
@@ -149,7 +150,11 @@ class FakeSglang:
 
             def _serve(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, answer = fake.handle(self.command, self.path, json.loads(raw) if raw else None)
+                if fake.api_key and self.path != "/health" and \
+                        self.headers.get("Authorization") != f"Bearer {fake.api_key}":
+                    status, answer = 401, {"error": "Unauthorized"}  # SGLang's add_api_key_middleware
+                else:
+                    status, answer = fake.handle(self.command, self.path, json.loads(raw) if raw else None)
                 data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
@@ -359,6 +364,23 @@ def test_unreachable_server_is_unavailable_with_its_address():
             assert not health.healthy and health.address == url and "cannot connect" in health.detail
 
     asyncio.run(flow())
+
+
+def test_api_key_is_sent_and_its_absence_is_one_clear_error(fake):
+    fake.api_key = "sk-sglang-1"
+
+    async def flow():
+        async with SglangClient(fake.url) as client:
+            with pytest.raises(BadRequestError, match="requires an API key and graft sent none") as info:
+                await client.load_adapter("policy-v3", "/a")
+        async with SglangClient(fake.url, api_key="sk-sglang-1") as client:
+            await client.load_adapter("policy-v3", "/a")
+            out = await client.generate([GenerateRequest(PROMPT)], adapter="policy-v3")
+        return info.value, out
+
+    error, out = asyncio.run(flow())
+    assert error.status == 401 and "rollout.api_key_env" in str(error)
+    assert len(out) == 1 and fake.loaded == {"policy-v3": "/a"}
 
 
 def test_constructor_rejects_bad_limits():

@@ -11,7 +11,7 @@ from graft.sync.verify import DeliveryError
 from tests.helpers import trained_like_peft_model
 
 METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "logprob_abs_diff_max",
-               "policy_version"}
+               "policy_version", "engines_live"}
 
 
 def _config(base_dir, *overrides):
@@ -45,7 +45,7 @@ def test_policy_sync_syncs_verifies_and_reports_metrics(base_dir, tmp_path, mode
     for version, row in enumerate(rows, start=1):
         assert set(row) == METRIC_KEYS
         assert row["sync_mode"] == mode and row["policy_version"] == version
-        assert row["sync_bytes"] > 0 and row["sync_seconds"] > 0
+        assert row["sync_bytes"] > 0 and row["sync_seconds"] > 0 and row["engines_live"] == 1
         assert row["logprob_abs_diff_max"] <= 1e-3  # fp32 reference engine: the same numbers as the trainer
     assert [r["engine_adapters_loaded"] for r in rows] == ([1, 2, 2] if mode == "adapter" else [0, 0, 0])
     assert left_loaded == []
@@ -68,3 +68,37 @@ def test_a_failed_delivery_stops_the_run_or_warns(base_dir, tmp_path):
     with pytest.raises(DeliveryError, match="differ from the trainer's"):
         asyncio.run(run("error"))
     assert asyncio.run(run("warn"))["logprob_abs_diff_max"] > 1e-3
+
+
+def test_engines_live_counts_the_pool_members_still_serving(base_dir, tmp_path):
+    from graft.rollout.engine import EngineHealth, EngineUnavailableError
+    from graft.rollout.pool import EnginePool
+
+    class Mortal(ReferenceEngine):
+        """A reference engine that can die: then every call fails as a killed server's does."""
+
+        address, dead = "http://mortal:8000", False
+
+        async def load_adapter(self, name, path):
+            if self.dead:
+                raise EngineUnavailableError("POST /v1/load_lora_adapter: cannot connect", address=self.address)
+            await super().load_adapter(name, path)
+
+        async def health(self):
+            return EngineHealth(self.address, False) if self.dead else await super().health()
+
+    model, mortal = trained_like_peft_model(base_dir), Mortal(base_dir)
+    pool = EnginePool([ReferenceEngine(base_dir), mortal])
+
+    async def scenario():
+        sync = PolicySync(_config(base_dir), pool, tmp_path)
+        first = await sync(model, 1, step=1)  # verified on both members
+        mortal.dead = True
+        second = await sync(model, 2, step=2)  # its load fails: dropped, verified on the other only
+        await sync.close()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert (first["engines_live"], second["engines_live"]) == (2, 1)
+    assert first["logprob_abs_diff_max"] <= 1e-3 and second["logprob_abs_diff_max"] <= 1e-3
+    assert list(pool.dropped) == ["http://mortal:8000"]

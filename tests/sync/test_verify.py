@@ -63,3 +63,23 @@ def test_verification_catches_a_wrong_adapter_a_skipped_load_and_stale_weights(v
                 await verify_delivery(client, policy, adapter=None, tolerance=FP32_TOLERANCE)
 
     asyncio.run(scenario())
+
+
+def test_verification_checks_only_the_live_members_of_a_pool(base_dir):
+    """A member the pool dropped (it may have missed versions) is not verified, nor asked anything."""
+    from graft.models.loading import load_model
+    from graft.rollout.pool import EnginePool
+    from graft.rollout.reference import ReferenceEngine
+    from tests.rollout.test_pool_failover import Dying
+
+    dead = Dying("http://dead:8000")
+    dead.healthy = False
+    pool = EnginePool([ReferenceEngine(base_dir), dead])
+
+    async def scenario():
+        await pool.reload_weights(str(base_dir))  # the dead member fails it and is dropped
+        dead.calls.clear()
+        return await verify_delivery(pool, load_model(base_dir), adapter=None, tolerance=FP32_TOLERANCE)
+
+    assert asyncio.run(scenario()) <= 1e-4
+    assert list(pool.dropped) == ["http://dead:8000"] and dead.calls == [] and dead.started == 0
