@@ -92,25 +92,28 @@ def test_serve_says_a_bf16_server_fails_a_float32_run_and_how_to_fix_it(tmp_path
 def test_graft_serve_serves_and_sigterm_stops_every_process(base_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    said = tmp_path / "stderr.txt"  # a file: the test reads it while graft serve runs
     # Own session, so the test can list the group graft and vLLM run in.
-    proc = subprocess.Popen([sys.executable, "-m", "graft.cli", "serve", str(base_dir), "--port", str(port),
-                             "--dtype", "float32", "--max-lora-rank", "8", "--log-dir", str(tmp_path)],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with open(said, "w") as stderr:
+        # The default --dtype auto: vLLM serves the fp32 checkpoint in bf16, which a default run cannot use.
+        proc = subprocess.Popen([sys.executable, "-m", "graft.cli", "serve", str(base_dir), "--port", str(port),
+                                 "--max-lora-rank", "8", "--log-dir", str(tmp_path / "logs")],
+                                stderr=stderr, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while (models := _models(url)) is None:
-            assert proc.poll() is None, proc.stderr.read()
+        while "Ctrl-C stops it" not in said.read_text():  # graft serve saw /health answer and said so
+            assert proc.poll() is None, said.read_text()
             assert time.monotonic() < deadline, "graft serve did not come up in 300 s"
             time.sleep(1)
+        models = _models(url)
         assert models[0]["id"] == str(base_dir) and models[0]["parent"] is None
-        assert (tmp_path / f"vllm-{port}.log").is_file()
+        assert f"vLLM serving {base_dir} in dtype bfloat16 at {url}" in said.read_text()  # read from vLLM's log
+        assert "a run with model.dtype float32 (the default) needs `graft serve --dtype float32`" in said.read_text()
+        assert (tmp_path / "logs" / f"vllm-{port}.log").is_file()
         assert _post_status(url + "/collective_rpc") == 404  # no --weight-reload: no dev endpoints
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
         assert _models(url) is None
-        said = proc.stderr.read()
-        assert f"vLLM serving {base_dir} in dtype float32 at {url}" in said, said
-        assert "needs `graft serve --dtype float32`" not in said
     finally:
         if proc.poll() is None:
             proc.kill()

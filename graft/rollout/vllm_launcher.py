@@ -38,7 +38,7 @@ OWNER_ENV = "GRAFT_OWNER_PID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 # vLLM's engine-config line ("Initializing a V1 LLM engine ... with config: ..., dtype=torch.bfloat16, ...").
-_SERVED_DTYPE_RE = re.compile(r"dtype=torch\.(\w+)")
+_SERVED_DTYPE_RE = re.compile(r"\bdtype=torch\.(\w+)")  # not kv_cache_dtype=...
 
 # Loopback requests must not go through an http_proxy from the environment.
 _URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

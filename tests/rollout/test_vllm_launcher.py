@@ -300,7 +300,8 @@ def test_served_dtype_is_read_from_the_log(tmp_path):
     assert server.served_dtype() is None  # not started: no log
     server.log_path = tmp_path / "vllm.log"
     server.log_path.write_text("INFO loading\nInitializing a V1 LLM engine (v0.32.0) with config: "
-                               "model='m', dtype=torch.bfloat16, max_seq_len=2048\n")
+                               "model='m', kv_cache_dtype=torch.float8_e4m3fn, dtype=torch.bfloat16, "
+                               "max_seq_len=2048\n")
     assert server.served_dtype() == "bfloat16"
 
 
