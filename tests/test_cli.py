@@ -96,8 +96,8 @@ def test_a_hub_id_in_the_local_cache_runs_offline(base_dir, tmp_path):
 
     hf_cache_with(tmp_path / "hub", "graft-test/tiny", base_dir)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    common = [sys.executable, "-m", "graft.cli", "eval", "-o", "rollout.engine=reference", "-o", "train.eval_examples=2",
-              "-o", "rollout.max_new_tokens=2", "--run-dir", str(tmp_path / "run")]
+    common = [sys.executable, "-m", "graft.cli", "eval", "-o", "rollout.engine=reference",
+              "-o", "train.eval_examples=2", "-o", "rollout.max_new_tokens=2", "--run-dir", str(tmp_path / "run")]
     done = subprocess.run([*common, "-o", "model.path=graft-test/tiny"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr

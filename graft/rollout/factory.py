@@ -31,12 +31,12 @@ WEIGHT_RELOAD_SYNC_MODES = frozenset({"merged"})
 _EXIT_GRACE_S = 5.0
 
 
-def launch_config(config: GraftConfig, run_dir: str | Path) -> VllmServerConfig:
+def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> VllmServerConfig:
     """The vLLM server graft launches for a run.
 
     vLLM gets the model's local directory (a hub id resolved in the local Hugging Face cache), checked
-    to be a model directory before anything starts. The dev endpoints are on only for sync modes that
-    reload weights through them: vLLM never authenticates them.
+    to be a model directory before anything starts. The dev endpoints are on only for a run that
+    `syncs` with a mode that reloads weights through them: vLLM never authenticates them.
 
     Raises:
         ConfigError: model.path is unset.
@@ -47,7 +47,7 @@ def launch_config(config: GraftConfig, run_dir: str | Path) -> VllmServerConfig:
         model=str(require_model_dir(config.require_model_path("launch vLLM"))),
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
-        dev_endpoints=config.sync.mode in WEIGHT_RELOAD_SYNC_MODES, log_dir=Path(run_dir) / "logs")
+        dev_endpoints=syncs and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES, log_dir=Path(run_dir) / "logs")
 
 
 async def require_weight_reload(urls: list[str]) -> None:
@@ -75,10 +75,13 @@ async def require_weight_reload(urls: list[str]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(config: GraftConfig, run_dir: str | Path) -> AsyncIterator[RolloutEngine]:
+async def open_engine(config: GraftConfig, run_dir: str | Path, *,
+                      syncs: bool = True) -> AsyncIterator[RolloutEngine]:
     """Yield the run's engine: one client, a pool of clients, or the in-process reference engine.
 
     The config has already ruled out engines graft cannot reach (`GraftConfig` validators).
+    `syncs`: the caller pushes policy versions the `sync.mode` way (training); False for a caller
+    that only generates and loads adapters (evaluation), which then needs no weight-reload endpoints.
 
     Raises:
         ConfigError: no model.path where graft must load or serve the model itself.
@@ -94,11 +97,11 @@ async def open_engine(config: GraftConfig, run_dir: str | Path) -> AsyncIterator
     async with contextlib.AsyncExitStack() as stack:
         urls, server = list(rollout.urls), None
         if not urls:
-            server = VllmServer(launch_config(config, run_dir))
+            server = VllmServer(launch_config(config, run_dir, syncs))
             await asyncio.to_thread(server.start)
             stack.callback(server.stop)
             urls = [server.url]
-        elif rollout.engine == "vllm" and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES:
+        elif syncs and rollout.engine == "vllm" and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES:
             await require_weight_reload(urls)
         clients = [HTTP_CLIENTS[rollout.engine](url) for url in urls]
         for client in clients:

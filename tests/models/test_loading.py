@@ -63,7 +63,8 @@ def test_a_cached_hub_id_loads_from_its_snapshot(hub_cache, tiny_model_dirs):
 def test_a_hub_id_missing_from_the_cache_says_how_to_get_it(hub_cache, tmp_path):
     for load in (require_model_dir, load_tokenizer, load_model):
         with pytest.raises(ValueError, match=r"graft-test/other is neither a local directory nor a model in the "
-                                             r"Hugging Face cache .*hub: download it first \(`hf download graft-test/other`\)"):
+                                             r"Hugging Face cache .*hub: download it first "
+                                             r"\(`hf download graft-test/other`\)"):
             load("graft-test/other")
 
 

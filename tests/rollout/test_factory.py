@@ -85,6 +85,8 @@ def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tm
     merged = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged", "model.dtype=bfloat16",
                                               "rollout.max_model_len=null"]), tmp_path)
     assert merged.dev_endpoints and merged.max_model_len is None and merged.dtype == "bfloat16"
+    evaluating = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged"]), tmp_path, syncs=False)
+    assert not evaluating.dev_endpoints  # eval reloads no weights, whatever sync.mode says
 
 
 def test_launch_config_gives_vllm_a_cached_hub_id_as_its_local_snapshot(base_dir, tmp_path, monkeypatch):
@@ -139,9 +141,9 @@ def test_merged_sync_against_a_server_without_weight_reload_fails_before_the_run
                                                                                   is_paused_server):
     dead = f"http://127.0.0.1:{free_port()}"
 
-    async def scenario(urls):
+    async def scenario(urls, syncs=True):
         overrides = [f"model.path={base_dir}", "sync.mode=merged", f"rollout.urls=[{','.join(urls)}]"]
-        async with open_engine(load_config(None, overrides), tmp_path) as engine:
+        async with open_engine(load_config(None, overrides), tmp_path, syncs=syncs) as engine:
             return engine
 
     served, bare = is_paused_server(200), is_paused_server(404)
@@ -150,6 +152,7 @@ def test_merged_sync_against_a_server_without_weight_reload_fails_before_the_run
         asyncio.run(scenario([served, bare]))
     assert str(info.value).startswith(f"{bare}: sync.mode 'merged' reloads weights through vLLM's dev endpoints")
     assert "`graft serve --weight-reload`" in str(info.value)
+    assert isinstance(asyncio.run(scenario([bare], syncs=False)), VllmClient)  # eval needs no weight reload
 
 
 def test_a_missing_model_path_is_named_before_anything_starts(tmp_path):
