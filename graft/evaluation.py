@@ -42,7 +42,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
     start = time.perf_counter()
-    async with open_engine(config, run_dir) as engine:
+    async with open_engine(config, run_dir, syncs=False) as engine:  # eval reloads no weights
         adapter = None
         if adapter_dir is not None:
             adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"

@@ -37,8 +37,8 @@ def base_dir(tiny_model_dirs):
 
 @pytest.fixture(scope="session")
 def vllm_server(base_dir, tmp_path_factory):
-    """One real vLLM server for the session: tiny fp32 qwen2, LoRA rank <= 8."""
-    config = VllmServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8,
+    """One real vLLM server for the session: tiny fp32 qwen2, LoRA rank <= 8, dev endpoints on (weight reloads)."""
+    config = VllmServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8, dev_endpoints=True,
                               log_dir=tmp_path_factory.mktemp("vllm-logs"))
     with VllmServer(config) as server:
         pgid = server.pid

@@ -43,3 +43,19 @@ def hf_greedy(model: torch.nn.Module, prompts_P, max_new_tokens: int) -> tuple[l
         tokens_P.append(tokens_T)
         logprobs_P.append([torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens_T)])
     return tokens_P, logprobs_P
+
+
+def hf_cache_with(root, repo_id: str, model_dir) -> str:
+    """A Hugging Face hub cache under `root` holding `model_dir` as repo `repo_id` (its `main` revision),
+    laid out as the hub client writes it: models--org--name/{refs/main, snapshots/<commit>/files}.
+    Returns the snapshot directory."""
+    import shutil
+    from pathlib import Path
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = Path(root) / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    return str(snapshot)

@@ -75,3 +75,35 @@ def test_eval_of_a_directory_that_is_not_an_adapter_is_one_line(base_dir, tmp_pa
                  str(tmp_path / "junk"), "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "junk" in err[0]
+
+
+def test_eval_of_a_model_directory_without_config_json_is_one_line_before_any_server(base_dir, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(base_dir, tmp_path / "model")
+    (tmp_path / "model" / "config.json").unlink()
+    code = main(["eval", "-o", f"model.path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"graft: error: model directory {tmp_path / 'model'} has no config.json: a Hugging "
+                                 "Face model directory holds its config.json next to the weights"]
+    assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
+
+
+def test_a_hub_id_in_the_local_cache_runs_offline(base_dir, tmp_path):
+    import os
+
+    from tests.helpers import hf_cache_with
+
+    hf_cache_with(tmp_path / "hub", "graft-test/tiny", base_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    common = [sys.executable, "-m", "graft.cli", "eval", "-o", "rollout.engine=reference",
+              "-o", "train.eval_examples=2", "-o", "rollout.max_new_tokens=2", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run([*common, "-o", "model.path=graft-test/tiny"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "held-out accuracy of base model on graft-test/tiny" in done.stdout
+    missing = subprocess.run([*common, "-o", "model.path=graft-test/absent"], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"graft: error: graft-test/absent is neither a local directory nor a model in the Hugging Face cache "
+        f"{tmp_path / 'hub'}: download it first (`hf download graft-test/absent`) or give a model directory"]

@@ -1,7 +1,8 @@
 """A `graft train` that launched its own vLLM server leaves no server process behind when it is
 stopped from outside: SIGTERM (how Slurm, docker and systemd stop a job) unwinds like Ctrl-C and
 stops the server; after SIGKILL (or the OOM killer) the server notices its owner is gone and stops
-its whole process group. Each case starts a real vLLM server of its own (~40-70 s)."""
+its whole process group. When the server is the one killed, the run stops with one error that says
+so, names the server's log and how to resume. Each case starts a real vLLM server of its own (~40-70 s)."""
 
 import os
 import signal
@@ -41,26 +42,59 @@ def _wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, sig):
-    run_dir = tmp_path / "run"
-    overrides = [f"model.path={base_dir}", "rollout.engine=vllm", "rollout.max_lora_rank=8", "train.steps=10000",
-                 "train.batch_prompts=2", "rollout.n_samples=2", "rollout.max_new_tokens=4", "train.eval_examples=4"]
+def _start_train(base_dir: Path, run_dir: Path, stderr_path: Path) -> subprocess.Popen:
+    """A long `graft train` on the tiny model with a vLLM server it launches; stderr to a file (a full
+    pipe would block the trainer)."""
+    overrides = [f"model.path={base_dir}", "rollout.engine=vllm", "rollout.max_lora_rank=8",
+                 "train.steps=10000", "train.batch_prompts=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+                 "train.eval_examples=4"]
     command = [sys.executable, "-m", "graft.cli", "train", "--run-dir", str(run_dir)]
     for override in overrides:
         command += ["-o", override]
-    stderr_path = tmp_path / "stderr.txt"
-    with open(stderr_path, "w") as stderr_file:  # a file, not a pipe: a full pipe would block the trainer
-        trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file)
+    with open(stderr_path, "w") as stderr_file:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file)
+
+
+def _server_group_mid_run(trainer: subprocess.Popen, run_dir: Path) -> int:
+    """The launched vLLM server's process group, once the first step is in metrics.jsonl."""
+    (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm_entry", trainer.pid), 60,
+                          "the trainer to launch vLLM")
+    pgid = os.getpgid(server)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text(), 240,
+              "the first training step")
+    assert live_group_members(pgid)
+    return pgid
+
+
+@pytest.mark.vllm
+def test_a_killed_vllm_server_stops_the_run_with_its_log_and_how_to_resume(base_dir, tmp_path):
+    run_dir, stderr_path = tmp_path / "run", tmp_path / "stderr.txt"
+    trainer = _start_train(base_dir, run_dir, stderr_path)
     try:
-        (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm_entry", trainer.pid), 60,
-                              "the trainer to launch vLLM")
-        pgid = os.getpgid(server)
-        # Mid-run: the first steps are in metrics.jsonl.
-        _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text(), 240,
-                  "the first training step")
-        assert live_group_members(pgid)
+        pgid = _server_group_mid_run(trainer, run_dir)
+        os.killpg(pgid, signal.SIGKILL)
+        returncode = trainer.wait(timeout=120)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    stderr = stderr_path.read_text()
+    assert returncode == 2, stderr[-3000:]
+    (log,) = (run_dir / "logs").glob("vllm-*.log")
+    error = stderr[stderr.index("graft: error: "):]
+    assert error.splitlines()[0] == (
+        f"graft: error: http://127.0.0.1:{log.stem.split('-')[1]}: the vLLM server graft launched (pid {pgid}) "
+        "was killed by SIGKILL; a training run continues from its newest checkpoint with `graft train ... "
+        f"--resume` (same config and --run-dir); last lines of its log {log}:")
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, sig):
+    run_dir, stderr_path = tmp_path / "run", tmp_path / "stderr.txt"
+    trainer = _start_train(base_dir, run_dir, stderr_path)
+    try:
+        pgid = _server_group_mid_run(trainer, run_dir)
         trainer.send_signal(sig)
         returncode = trainer.wait(timeout=60)
         stderr = stderr_path.read_text()

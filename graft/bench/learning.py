@@ -68,7 +68,7 @@ async def score_adapters(config: GraftConfig, run_dir: Path, adapters: list[dict
     _, eval_set = load_task_data(config.data)
     tokenizer = load_tokenizer(config.model.path)
     points = []
-    async with open_engine(config, run_dir) as engine:
+    async with open_engine(config, run_dir, syncs=False) as engine:  # evaluates saved adapters only
         for i, saved in enumerate(adapters):
             name = f"trl-eval-{i}"
             await engine.load_adapter(name, saved["path"])

@@ -94,7 +94,7 @@ def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts
         params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, ignore_eos=True)
         requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
         config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank),
-                                  log_dir=log_dir or tmp)
+                                  log_dir=log_dir or tmp, dev_endpoints=True)  # reloads merged weights
         with Console(stderr=True).status("starting vLLM (~30-70 s on CPU)"):
             server = VllmServer(config).start()
         try:

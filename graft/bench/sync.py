@@ -140,7 +140,7 @@ def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), rep
             with console.status(f"{name}: building a random model and starting vLLM"):
                 base = build_base(shape, work / "base")
                 server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=shape.rank,
-                                                     max_loras=4, log_dir=work)).start()
+                                                     max_loras=4, log_dir=work, dev_endpoints=True)).start()
             try:
                 with Progress(transient=True, console=console) as progress:
                     task = progress.add_task(f"{name}: sync rounds (adapter, merged, full, raw write)",

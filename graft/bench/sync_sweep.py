@@ -192,7 +192,8 @@ def run_sync_sweep(sweep: str, repeats: int = 3, *, groups: Sequence[Sequence[Mo
             with console.status(f"{model.name}: building a random model and starting vLLM"):
                 base = build_base(model, work / "base")
                 config = VllmServerConfig(model=str(base), dtype="bfloat16", max_loras=4, log_dir=work,
-                                          max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= max_rank))
+                                          max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= max_rank),
+                                          dev_endpoints=True)  # merged sync reloads weights
                 server = VllmServer(config).start()
             try:
                 with Progress(transient=True, console=console) as progress:

@@ -135,6 +135,12 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(
         0, ge=0, description="How many policy versions rollouts may lag the trainer; 0 = fully on-policy."
     )
+    max_model_len: int | None = Field(
+        2048, ge=1, description="Context length (prompt + completion tokens) of the vLLM server graft launches "
+        "(vLLM --max-model-len); null = the model's own limit from its config.json. Servers at rollout.urls keep "
+        "their own."
+    )
+
     min_engines: int = Field(
         1, ge=1, description="Fewest live servers a run goes on with: a server of rollout.urls that dies or "
         "freezes is dropped for the rest of the run (its requests retried on the others) while at least this "
@@ -182,6 +188,32 @@ class RolloutConfig(_Section):
         if v not in VLLM_LORA_RANKS:
             raise ValueError(f"must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's allowed values), got {v}")
         return v
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, v: list[str]) -> list[str]:
+        """At config load, not at the first request: a URL without a scheme is a common slip."""
+        for url in v:
+            parts = urlsplit(url)
+            try:
+                parts.port  # noqa: B018 -- raises on a port that is not a number
+            except ValueError:
+                raise ValueError(f"{url!r} has a port that is not a number") from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                hint = f" (did you mean 'http://{url}'?)" if "://" not in url else ""
+                raise ValueError(f"{url!r} is not an http:// or https:// URL with a host{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_completions_fit(self) -> "RolloutConfig":
+        """A completion longer than the launched server's context would fail every request."""
+        if self.engine == "vllm" and not self.urls and self.max_model_len is not None \
+                and self.max_new_tokens >= self.max_model_len:
+            raise ConfigError(f"rollout.max_new_tokens ({self.max_new_tokens}) leaves no room for the prompt in "
+                              f"rollout.max_model_len ({self.max_model_len}): raise rollout.max_model_len "
+                              "(or set it to null for the model's own limit)",
+                              keys=("rollout.max_new_tokens", "rollout.max_model_len"))
+        return self
 
 
 class SyncConfig(_Section):

@@ -1,5 +1,7 @@
-"""Loading models and tokenizers from local directories, and dtype names."""
+"""Loading models and tokenizers from local directories (or hub ids already in the local Hugging
+Face cache), and dtype names."""
 
+import re
 from pathlib import Path
 
 import torch
@@ -31,13 +33,48 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+# A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.').
+_HUB_ID_RE = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """The local directory for `path`: `path` itself when it exists (or cannot be a hub id), else
+    the snapshot of hub id `path` in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME).
+
+    Never downloads: under torchrun every rank resolves the path, and a multi-GB download should
+    be one deliberate `hf download` before the run, not a side effect of each rank. vLLM is given
+    the resolved directory, so trainer and engine read the same files.
+
+    Raises:
+        ValueError: `path` looks like a hub id, is not a local directory and is not in the cache.
+    """
+    local = Path(path)
+    if local.exists() or not _HUB_ID_RE.match(str(path)):
+        return local
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError) as error:
+        raise ValueError(f"{path} is neither a local directory nor a model in the Hugging Face cache "
+                         f"{constants.HF_HUB_CACHE}: download it first (`hf download {path}`) or give a "
+                         "model directory") from error
+
+
 def require_model_dir(path: str | Path) -> Path:
-    """`path` as a Path, checked to be a local model directory (has config.json)."""
-    path = Path(path)
+    """The local model directory for `path` (a directory, or a cached hub id; see
+    `resolve_model_path`), checked to hold a config.json, which transformers and vLLM need.
+
+    Raises:
+        ValueError: Not a directory, not a cached hub id, or no config.json in it.
+    """
+    path = resolve_model_path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json; is it a model directory?")
+        raise ValueError(f"model directory {path} has no config.json: a Hugging Face model directory holds "
+                         "its config.json next to the weights")
     return path
 
 
@@ -53,12 +90,12 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Loads the tokenizer stored in a local model directory.
+    """Loads the tokenizer stored in a local model directory (or a cached hub id).
 
     Raises:
-        ValueError: If ``path`` is not a directory.
+        ValueError: If ``path`` is not a directory or a cached hub id.
     """
-    path = Path(path)
+    path = resolve_model_path(path)
     if not path.is_dir():
         raise ValueError(f"tokenizer directory {path} does not exist")
     return AutoTokenizer.from_pretrained(path)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from graft.atomic import atomic_write_text
@@ -78,8 +79,9 @@ def _train_resuming_after_engine_loss(config: GraftConfig, run_dir: Path, consol
         except EngineUnavailableError as error:
             if attempt == ENGINE_RESTARTS or latest_checkpoint(run_dir / "checkpoints") is None:
                 raise
-            console.print(f"[yellow]the vLLM server stopped answering ({error}); starting a new one and resuming "
-                          f"from {latest_checkpoint(run_dir / 'checkpoints')}")
+            # escape: the error carries the server's log tail, whose "[/...]" rich would take for markup.
+            console.print(f"[yellow]the vLLM server stopped answering ({escape(str(error))}); starting a new one "
+                          f"and resuming from {latest_checkpoint(run_dir / 'checkpoints')}")
     raise AssertionError("unreachable")
 
 

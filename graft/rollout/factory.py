@@ -14,8 +14,11 @@ import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import httpx
+
 from graft.config import ConfigError, GraftConfig, RolloutConfig
-from graft.rollout.engine import RolloutEngine
+from graft.models.loading import require_model_dir
+from graft.rollout.engine import BadRequestError, EngineUnavailableError, RolloutEngine
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.sglang_client import SglangClient
@@ -46,15 +49,71 @@ def resolve_api_key(rollout: RolloutConfig) -> str | None:
     return key or None
 
 
+# The sync modes that reload base weights through vLLM's dev endpoints (/pause, /collective_rpc, ...).
+WEIGHT_RELOAD_SYNC_MODES = frozenset({"merged"})
+# How long a server that stopped answering gets to finish exiting before we say whether it died.
+_EXIT_GRACE_S = 5.0
+
+
+def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> VllmServerConfig:
+    """The vLLM server graft launches for a run.
+
+    vLLM gets the model's local directory (a hub id resolved in the local Hugging Face cache), checked
+    to be a model directory before anything starts. The dev endpoints are on only for a run that
+    `syncs` with a mode that reloads weights through them: vLLM never authenticates them.
+
+    Raises:
+        ConfigError: model.path is unset.
+        ValueError: model.path is not a model directory or a cached hub id.
+    """
+    rollout = config.rollout
+    return VllmServerConfig(
+        model=str(require_model_dir(config.require_model_path("launch vLLM"))),
+        dtype="float32" if config.model.dtype == "float32" else "bfloat16",
+        max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
+        dev_endpoints=syncs and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES, log_dir=Path(run_dir) / "logs")
+
+
+async def require_weight_reload(urls: list[str]) -> None:
+    """Check that the vLLM servers at `urls` serve the weight-reload (dev) endpoints.
+
+    Without them merged sync's first reload would fail mid-run on a bare 404 "Not Found"; asked
+    once here instead (`GET /is_paused` exists exactly when they do). Unreachable servers are
+    skipped: the engine reports those itself.
+
+    Raises:
+        BadRequestError: a server answers 404.
+    """
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+        for url in urls:
+            try:
+                response = await http.get(url.rstrip("/") + "/is_paused")
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 404:
+                raise BadRequestError(
+                    "sync.mode 'merged' reloads weights through vLLM's dev endpoints (/pause, /collective_rpc, "
+                    "/reset_prefix_cache, /resume), which this server does not serve (GET /is_paused: 404): start "
+                    "it with `graft serve --weight-reload` (or VLLM_SERVER_DEV_MODE=1), or use sync.mode adapter",
+                    address=url.rstrip("/"), status=404)
+
+
 @contextlib.asynccontextmanager
-async def open_engine(config: GraftConfig, run_dir: str | Path) -> AsyncIterator[RolloutEngine]:
+async def open_engine(config: GraftConfig, run_dir: str | Path, *,
+                      syncs: bool = True) -> AsyncIterator[RolloutEngine]:
     """Yield the run's engine: one client, a pool of clients, or the in-process reference engine.
 
     The config has already ruled out engines graft cannot reach (`GraftConfig` validators).
+    `syncs`: the caller pushes policy versions the `sync.mode` way (training); False for a caller
+    that only generates and loads adapters (evaluation), which then needs no weight-reload endpoints.
 
     Raises:
         ConfigError: no model.path where graft must load or serve the model itself; an API-key
             variable named in the config is not set.
+        ValueError: model.path is not a model directory (before any server starts).
+        BadRequestError: merged sync with a vLLM server at rollout.urls that cannot reload weights.
+        EngineUnavailableError: from the body; when the server graft launched has died, one that
+            says so, names its log and how to resume.
     """
     rollout = config.rollout
     if rollout.engine == "reference":
@@ -62,18 +121,26 @@ async def open_engine(config: GraftConfig, run_dir: str | Path) -> AsyncIterator
         return
     api_key = resolve_api_key(rollout)
     async with contextlib.AsyncExitStack() as stack:
-        urls = list(rollout.urls)
+        urls, server = list(rollout.urls), None
         if not urls:
-            server = VllmServer(VllmServerConfig(
-                model=config.require_model_path("launch vLLM"), dtype="float32" if config.model.dtype == "float32" else "bfloat16",
-                max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, log_dir=Path(run_dir) / "logs"))
+            server = VllmServer(launch_config(config, run_dir, syncs))
             await asyncio.to_thread(server.start)
             stack.callback(server.stop)
             urls = [server.url]
+        elif syncs and rollout.engine == "vllm" and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES:
+            await require_weight_reload(urls)
         clients = [HTTP_CLIENTS[rollout.engine](url, request_timeout_s=rollout.request_timeout_s,
                                                 control_timeout_s=rollout.control_timeout_s, api_key=api_key)
                    for url in urls]
         for client in clients:
             stack.push_async_callback(client.aclose)
-        yield clients[0] if len(clients) == 1 else EnginePool(clients, min_engines=rollout.min_engines,
-                                                              probe_after_s=rollout.control_timeout_s)
+        try:
+            yield clients[0] if len(clients) == 1 else EnginePool(clients, min_engines=rollout.min_engines,
+                                                                  probe_after_s=rollout.control_timeout_s)
+        except EngineUnavailableError as error:
+            code = None if server is None else await asyncio.to_thread(server.exit_code, _EXIT_GRACE_S)
+            if code is None:
+                raise
+            raise EngineUnavailableError(server.exit_report(
+                code, then="; a training run continues from its newest checkpoint with `graft train ... --resume` "
+                           "(same config and --run-dir)"), address=server.url) from error

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graft.config import VLLM_LORA_RANKS
+from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 
 DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
@@ -36,6 +37,8 @@ SERVER_MODULE = "graft.rollout.vllm_entry"
 OWNER_ENV = "GRAFT_OWNER_PID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
+# vLLM's engine-config line ("Initializing a V1 LLM engine ... with config: ..., dtype=torch.bfloat16, ...").
+_SERVED_DTYPE_RE = re.compile(r"\bdtype=torch\.(\w+)")  # not kv_cache_dtype=...
 
 # Loopback requests must not go through an http_proxy from the environment.
 _URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -57,22 +60,30 @@ class VllmServerConfig:
 
     Attributes:
         model: Model directory (or name) passed as `--model`.
-        host: Interface to bind; loopback by default, so the unauthenticated dev endpoints
-            (`/collective_rpc`, `/pause`, ...) are not exposed.
+        host: Interface to bind; loopback by default, so adapter loading and the dev endpoints
+            are not exposed (see `exposure_warning`).
         port: TCP port; None picks a free one on `host` at start.
         dtype: "auto", "bfloat16" or "float32".
         enable_lora: Pass `--enable-lora` (adapters loaded at runtime).
         max_lora_rank: Largest adapter rank the server accepts; one of `VLLM_LORA_RANKS`.
         max_loras: Adapters held at once.
-        max_model_len: Prompt + completion tokens per sequence.
+        max_model_len: Prompt + completion tokens per sequence; None = the model's own limit.
         kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
         log_dir: Where `vllm-<port>.log` is written; None means the system temp directory.
         startup_timeout_s: Seconds to wait for /health before giving up.
         stop_timeout_s: Seconds between SIGTERM and SIGKILL on stop.
         extra_args: Appended verbatim to the server's command line.
+        dev_endpoints: Serve vLLM's dev endpoints (`VLLM_SERVER_DEV_MODE=1`: `/pause`,
+            `/collective_rpc`, `/reset_prefix_cache`, `/resume`, ...), which merged sync's weight
+            reload needs and adapter sync does not. Off by default: vLLM never authenticates them,
+            not even with an API key, and `/collective_rpc` calls any worker method.
+        api_key_env: Name of an environment variable holding the API key the server requires on
+            `/v1/...` (given to vLLM as `VLLM_API_KEY`, so it never shows in `ps`); None keeps
+            whatever `VLLM_API_KEY` the environment has.
 
     Raises:
-        ValueError: On a `max_lora_rank` vLLM would reject or an unknown `dtype`.
+        ValueError: On a `max_lora_rank` vLLM would reject, an unknown `dtype`, or an
+            `api_key_env` that is unset or empty.
     """
 
     model: str | os.PathLike
@@ -82,18 +93,48 @@ class VllmServerConfig:
     enable_lora: bool = True
     max_lora_rank: int = 8
     max_loras: int = 4
-    max_model_len: int = 512
+    max_model_len: int | None = 512
     kv_cache_gib: int = 1
     log_dir: str | os.PathLike | None = None
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     extra_args: list[str] = field(default_factory=list)
+    dev_endpoints: bool = False
+    api_key_env: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"the API key variable {self.api_key_env} is not set or empty in the environment")
+
+    def api_key_source(self) -> str | None:
+        """Where the server's API key comes from (`$NAME`), or None when it has none."""
+        if self.api_key_env is not None:
+            return f"${self.api_key_env}"
+        return "$VLLM_API_KEY" if os.environ.get("VLLM_API_KEY") else None
+
+
+def exposure_warning(config: VllmServerConfig) -> str | None:
+    """One line saying what a server bound to a non-loopback interface exposes; None on loopback.
+
+    vLLM's API key guards only `/v1/...`: runtime adapter loading (which reads any path on this
+    machine) is covered by it, the dev endpoints never are.
+    """
+    if config.host in LOOPBACK_HOSTS or config.host.startswith("127."):
+        return None
+    exposed = ["completions"]
+    if config.enable_lora:
+        exposed.append("runtime adapter loading (from any path on this machine)")
+    if config.dev_endpoints:
+        exposed.append("the weight-reload dev endpoints (/collective_rpc, /pause, ...; never authenticated, "
+                       "not even with an API key)")
+    key = config.api_key_source()
+    advice = (f"/v1 requests need the API key from {key}" if key is not None else
+              "no API key is set: pass --api-key-env NAME or set VLLM_API_KEY")
+    return f"vLLM on {config.host} is reachable from the network with {', '.join(exposed)}; {advice}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -175,7 +216,9 @@ class VllmServer:
         """The server's command line."""
         c = self.config
         args = [sys.executable, "-m", SERVER_MODULE, "--model", str(c.model), "--host", c.host,
-                "--port", str(self.port), "--dtype", c.dtype, "--max-model-len", str(c.max_model_len)]
+                "--port", str(self.port), "--dtype", c.dtype]
+        if c.max_model_len is not None:
+            args += ["--max-model-len", str(c.max_model_len)]
         if c.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
         if not _has_cuda():
@@ -185,14 +228,19 @@ class VllmServer:
         return args + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: ours plus runtime adapter loading, dev endpoints and KV-cache size."""
-        return {
+        """The server's environment: ours plus runtime adapter loading, dev endpoints (only when
+        asked for: an inherited VLLM_SERVER_DEV_MODE=1 is overridden), API key and KV-cache size."""
+        env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
-            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /reset_prefix_cache
+            # /collective_rpc, /pause, /resume, /reset_prefix_cache, ...
+            "VLLM_SERVER_DEV_MODE": "1" if self.config.dev_endpoints else "0",
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
             OWNER_ENV: str(os.getpid()),  # the server stops itself if this process dies without stop()
         }
+        if self.config.api_key_env is not None:
+            env["VLLM_API_KEY"] = os.environ[self.config.api_key_env]
+        return env
 
     def health(self, timeout_s: float = 2.0) -> bool:
         """True when `GET /health` answers 200."""
@@ -259,6 +307,37 @@ class VllmServer:
         """Block until the server process exits (e.g. killed from outside); its exit code."""
         assert self._proc is not None, "the server is not running"
         return self._proc.wait()
+
+    def served_dtype(self) -> str | None:
+        """The dtype vLLM serves in, from its log once started (`auto` resolves there: a float32
+        checkpoint is served in bfloat16); None when the log does not say."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                match = next((m for line in f if (m := _SERVED_DTYPE_RE.search(line))), None)
+        except (OSError, TypeError):  # no log (yet)
+            return None
+        return match.group(1) if match else None
+
+    def exit_code(self, wait_s: float = 0.0) -> int | None:
+        """The server's exit code if it has exited (waiting up to `wait_s` for it), else None.
+
+        Also None once `stop()` ran: a server we stopped did not die on its own.
+        """
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=wait_s) if wait_s > 0 else self._proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+
+    def exit_report(self, code: int, then: str = "", lines: int = 10) -> str:
+        """What to tell a user whose run lost this server: how it ended (then `then`), where its log
+        is, and its last `lines` lines."""
+        how = f"exited with code {code}"
+        if code < 0:
+            how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+        return (f"the vLLM server graft launched (pid {self.pid}) {how}{then}; last lines of its log "
+                f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
 
     def _signal_group(self, sig: signal.Signals, wait_s: float) -> bool:
         """Send `sig` to the server's process group; True once no live process is left in it."""

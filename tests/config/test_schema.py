@@ -168,3 +168,38 @@ def test_merged_sync_to_a_remote_engine_is_fine_with_a_shared_dir():
     config = load_config(None, ["sync.mode=merged", "rollout.urls=[http://inference-node-7:8000]",
                                 "sync.dir=/shared/weights"])
     assert config.sync.dir == "/shared/weights"
+
+
+@pytest.mark.parametrize("url, hint", [
+    ("127.0.0.1:8000", " (did you mean 'http://127.0.0.1:8000'?)"),
+    ("localhost:8000", " (did you mean 'http://localhost:8000'?)"),
+    ("ftp://host:21", ""),
+    ("http://", ""),
+])
+def test_rollout_urls_need_an_http_scheme_and_a_host(url, hint):
+    message = _error(overrides=[f"rollout.urls=[http://ok:8000,{url}]"])
+    assert message.startswith(f"rollout.urls: {url!r} is not an http:// or https:// URL with a host{hint}")
+    assert len(message.splitlines()) == 1
+
+
+def test_rollout_urls_port_must_be_a_number():
+    assert "'http://a:80x' has a port that is not a number" in _error(overrides=["rollout.urls=[http://a:80x]"])
+
+
+def test_rollout_urls_accept_http_and_https():
+    config = load_config(None, ["rollout.urls=[http://10.0.0.1:8000,https://vllm.example.org]"])
+    assert config.rollout.urls == ["http://10.0.0.1:8000", "https://vllm.example.org"]
+
+
+def test_max_model_len_defaults_to_2048_and_null_means_the_model_limit():
+    assert GraftConfig().rollout.max_model_len == 2048
+    assert load_config(None, ["rollout.max_model_len=null"]).rollout.max_model_len is None
+
+
+def test_completions_must_fit_the_launched_server_context():
+    message = _error(overrides=["rollout.max_new_tokens=2048"])
+    assert message.startswith("rollout.max_new_tokens (2048) leaves no room for the prompt in "
+                              "rollout.max_model_len (2048)")
+    # The user's own servers and the model's own limit are not graft's to judge here.
+    load_config(None, ["rollout.max_new_tokens=4096", "rollout.urls=[http://a:8000]"])
+    load_config(None, ["rollout.max_new_tokens=4096", "rollout.max_model_len=null"])

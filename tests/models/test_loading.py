@@ -1,11 +1,22 @@
 """graft.models.loading: dtype names, model directories, models and tokenizers, a model's dtype."""
 
+import shutil
+
 import pytest
 import torch
+from huggingface_hub import constants
 from transformers import PreTrainedTokenizerBase
 
 from graft.lora.attach import attach_lora
-from graft.models.loading import load_model, load_tokenizer, model_dtype, require_model_dir, resolve_dtype
+from graft.models.loading import (
+    load_model,
+    load_tokenizer,
+    model_dtype,
+    require_model_dir,
+    resolve_dtype,
+    resolve_model_path,
+)
+from tests.helpers import hf_cache_with
 
 
 @pytest.mark.parametrize(
@@ -28,8 +39,39 @@ def test_require_model_dir(tiny_model_dirs, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         require_model_dir(tmp_path / "nope")
     (tmp_path / "config.json").mkdir()  # a directory named config.json is not a config file
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match=f"model directory {tmp_path} has no config.json"):
         require_model_dir(tmp_path)
+
+
+@pytest.fixture
+def hub_cache(tiny_model_dirs, tmp_path, monkeypatch):
+    """A local Hugging Face cache holding the tiny qwen2 model as `graft-test/tiny`; its snapshot dir."""
+    snapshot = hf_cache_with(tmp_path / "hub", "graft-test/tiny", tiny_model_dirs["qwen2"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return snapshot
+
+
+def test_a_cached_hub_id_loads_from_its_snapshot(hub_cache, tiny_model_dirs):
+    assert str(require_model_dir("graft-test/tiny")) == hub_cache
+    tokenizer = load_tokenizer("graft-test/tiny")
+    assert tokenizer.decode(tokenizer("12 + 7")["input_ids"]) == "12 + 7"
+    want = load_model(tiny_model_dirs["qwen2"]).state_dict()
+    got = load_model("graft-test/tiny").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_hub_id_missing_from_the_cache_says_how_to_get_it(hub_cache, tmp_path):
+    for load in (require_model_dir, load_tokenizer, load_model):
+        with pytest.raises(ValueError, match=r"graft-test/other is neither a local directory nor a model in the "
+                                             r"Hugging Face cache .*hub: download it first "
+                                             r"\(`hf download graft-test/other`\)"):
+            load("graft-test/other")
+
+
+def test_an_existing_relative_directory_wins_over_a_hub_id(hub_cache, tiny_model_dirs, tmp_path, monkeypatch):
+    shutil.copytree(tiny_model_dirs["llama"], tmp_path / "graft-test" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("graft-test/tiny").resolve() == (tmp_path / "graft-test" / "tiny").resolve()
 
 
 def test_load_model_in_bf16_eval_mode(tiny_model_dirs):

@@ -1,14 +1,158 @@
+"""graft.rollout.factory: which engine a config opens, the server graft launches for it, and what a
+run is told when that server dies. Tests marked `vllm` that launch their own server come first, so
+they run before the session's shared server starts (one vLLM at a time on 2 cores)."""
+
 import asyncio
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import urllib.error
+import urllib.request
 
 import pytest
+from huggingface_hub import constants
 
 from graft.config import ConfigError, load_config
-from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.factory import open_engine, resolve_api_key
+from graft.lora.adapter_io import save_adapter
+from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
+from graft.rollout.factory import launch_config, open_engine, require_weight_reload, resolve_api_key
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import free_port
+from tests.helpers import hf_cache_with, trained_like_peft_model
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+GREEDY_4 = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+
+
+def _status(method: str, url: str) -> int:
+    request = urllib.request.Request(url, data=b"{}" if method == "POST" else None, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _NO_PROXY.open(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def _server_pgid(port: int) -> int:
+    """The process group of the vLLM server this process launched on `port` (it leads its own group)."""
+    listing = subprocess.run(["pgrep", "-f", f"graft.rollout.vllm_entry .*--port {port} "], capture_output=True,
+                             text=True).stdout.split()
+    (pgid,) = {os.getpgid(int(pid)) for pid in listing}  # a forked engine core shares the command line
+    return pgid
+
+
+@pytest.mark.vllm
+def test_launched_adapter_server_has_no_dev_endpoints_follows_max_model_len_and_its_death_is_named(
+        base_dir, tmp_path):
+    config = load_config(None, [f"model.path={base_dir}", "rollout.max_lora_rank=8", "lora.rank=8",
+                                "rollout.max_model_len=1024"])
+    adapter = save_adapter(trained_like_peft_model(base_dir, rank=8), tmp_path / "adapter")
+
+    async def scenario():
+        async with open_engine(config, tmp_path / "run") as engine:
+            url = engine.address
+            # Adapter sync: the dev endpoints are not served, and merged sync would be refused up front.
+            assert _status("POST", url + "/collective_rpc") == 404 and _status("POST", url + "/pause") == 404
+            with pytest.raises(BadRequestError, match="graft serve --weight-reload"):
+                await require_weight_reload([url])
+            with _NO_PROXY.open(url + "/v1/models", timeout=60) as response:
+                assert json.loads(response.read())["data"][0]["max_model_len"] == 1024
+            await engine.load_adapter("graft-v1", str(adapter))
+            (completion,), = await engine.generate([GenerateRequest((1, 2, 3), GREEDY_4)], adapter="graft-v1")
+            assert len(completion.token_ids) == 4
+            os.killpg(_server_pgid(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
+            await engine.generate([GenerateRequest((1, 2, 3), GREEDY_4)])
+
+    with pytest.raises(EngineUnavailableError) as info:
+        asyncio.run(scenario())
+    first_line = str(info.value).splitlines()[0]
+    assert "the vLLM server graft launched" in first_line and "was killed by SIGKILL" in first_line
+    assert "graft train ... --resume" in first_line and str(tmp_path / "run" / "logs" / "vllm-") in first_line
+    assert isinstance(info.value.__cause__, EngineUnavailableError)  # the client's own error, chained
+
+
+def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tmp_path):
+    adapter = launch_config(load_config(None, [f"model.path={base_dir}"]), tmp_path)
+    assert not adapter.dev_endpoints and adapter.max_model_len == 2048 and adapter.dtype == "float32"
+    assert adapter.log_dir == tmp_path / "logs" and adapter.model == str(base_dir)
+    merged = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged", "model.dtype=bfloat16",
+                                              "rollout.max_model_len=null"]), tmp_path)
+    assert merged.dev_endpoints and merged.max_model_len is None and merged.dtype == "bfloat16"
+    evaluating = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged"]), tmp_path, syncs=False)
+    assert not evaluating.dev_endpoints  # eval reloads no weights, whatever sync.mode says
+
+
+def test_launch_config_gives_vllm_a_cached_hub_id_as_its_local_snapshot(base_dir, tmp_path, monkeypatch):
+    snapshot = hf_cache_with(tmp_path / "hub", "graft-test/tiny", base_dir)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert launch_config(load_config(None, ["model.path=graft-test/tiny"]), tmp_path).model == snapshot
+
+
+def test_a_model_directory_without_config_json_fails_before_any_server_starts(base_dir, tmp_path):
+    shutil.copytree(base_dir, tmp_path / "model")
+    (tmp_path / "model" / "config.json").unlink()
+
+    async def scenario():
+        async with open_engine(load_config(None, [f"model.path={tmp_path / 'model'}"]), tmp_path / "run"):
+            raise AssertionError("no engine may open on a directory without config.json")
+
+    with pytest.raises(ValueError, match=f"model directory {tmp_path / 'model'} has no config.json"):
+        asyncio.run(scenario())
+    assert not (tmp_path / "run").exists()
+
+
+class _IsPaused(http.server.BaseHTTPRequestHandler):
+    """A stand-in vLLM that answers GET /is_paused with the status in its server's `status`."""
+
+    def do_GET(self):
+        self.send_response(self.server.status if self.path == "/is_paused" else 500)
+        self.end_headers()
+        self.wfile.write(b'{"is_paused": false}' if self.server.status == 200 else b'{"detail":"Not Found"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def is_paused_server():
+    """Starts stand-ins answering /is_paused with a given status; yields a `start(status) -> url`."""
+    servers = []
+
+    def start(status: int) -> str:
+        server = http.server.HTTPServer(("127.0.0.1", 0), _IsPaused)
+        server.status = status
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def test_merged_sync_against_a_server_without_weight_reload_fails_before_the_run(base_dir, tmp_path,
+                                                                                  is_paused_server):
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def scenario(urls, syncs=True):
+        overrides = [f"model.path={base_dir}", "sync.mode=merged", f"rollout.urls=[{','.join(urls)}]"]
+        async with open_engine(load_config(None, overrides), tmp_path, syncs=syncs) as engine:
+            return engine
+
+    served, bare = is_paused_server(200), is_paused_server(404)
+    assert isinstance(asyncio.run(scenario([served, dead])), EnginePool)  # the dead one is the pool's business
+    with pytest.raises(BadRequestError) as info:
+        asyncio.run(scenario([served, bare]))
+    assert str(info.value).startswith(f"{bare}: sync.mode 'merged' reloads weights through vLLM's dev endpoints")
+    assert "`graft serve --weight-reload`" in str(info.value)
+    assert isinstance(asyncio.run(scenario([bare], syncs=False)), VllmClient)  # eval needs no weight reload
 
 
 def test_a_missing_model_path_is_named_before_anything_starts(tmp_path):

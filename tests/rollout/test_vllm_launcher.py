@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -31,7 +33,7 @@ from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError, exposure_warning
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
@@ -240,6 +242,67 @@ def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert live_group_members(int(done.stdout.split()[-1])) == []
+
+
+def test_killed_server_reports_how_it_ended_with_its_log_tail(stand_in):
+    with VllmServer(stand_in()) as server:
+        assert server.exit_code() is None
+        os.killpg(_group_of_two(server), signal.SIGKILL)
+        code = server.exit_code(wait_s=10)
+        assert code == -signal.SIGKILL
+        report = server.exit_report(code, then="; resume")
+    first, *tail = report.splitlines()
+    assert first == (f"the vLLM server graft launched (pid {server.pid}) was killed by SIGKILL; resume; "
+                     f"last lines of its log {server.log_path}:")
+    assert tail == ["stand-in: engine core forked"]
+    assert server.exit_code() is None  # stopped by us: not a death to report
+
+
+def test_dev_endpoints_are_off_unless_asked_for_even_when_inherited(monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert VllmServer(VllmServerConfig(model="m")).environment()["VLLM_SERVER_DEV_MODE"] == "0"
+    assert VllmServer(VllmServerConfig(model="m", dev_endpoints=True)).environment()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_api_key_reaches_vllm_through_the_environment_not_the_command_line(monkeypatch):
+    monkeypatch.setenv("MY_VLLM_KEY", "s3cret")
+    server = VllmServer(VllmServerConfig(model="m", port=8000, api_key_env="MY_VLLM_KEY"))
+    assert server.environment()["VLLM_API_KEY"] == "s3cret"
+    assert "s3cret" not in " ".join(server.command())
+    monkeypatch.setenv("MY_VLLM_KEY", "")
+    with pytest.raises(ValueError, match="MY_VLLM_KEY is not set or empty"):
+        VllmServerConfig(model="m", api_key_env="MY_VLLM_KEY")
+
+
+def test_max_model_len_none_leaves_the_model_default():
+    assert "--max-model-len" not in VllmServer(VllmServerConfig(model="m", port=1, max_model_len=None)).command()
+    args = VllmServer(VllmServerConfig(model="m", port=1, max_model_len=1024)).command()
+    assert args[args.index("--max-model-len") + 1] == "1024"
+
+
+def test_exposure_warning_names_what_the_network_reaches(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
+        assert exposure_warning(VllmServerConfig(model="m", host=host, dev_endpoints=True)) is None
+    adapter_only = exposure_warning(VllmServerConfig(model="m", host="0.0.0.0"))
+    assert adapter_only.startswith("vLLM on 0.0.0.0 is reachable from the network with completions, runtime "
+                                   "adapter loading")
+    assert "/collective_rpc" not in adapter_only and "pass --api-key-env NAME or set VLLM_API_KEY" in adapter_only
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    with_dev = exposure_warning(VllmServerConfig(model="m", host="10.1.2.3", dev_endpoints=True))
+    assert "/collective_rpc" in with_dev and "never authenticated" in with_dev
+    assert with_dev.endswith("/v1 requests need the API key from $VLLM_API_KEY")
+    assert len(with_dev.splitlines()) == 1
+
+
+def test_served_dtype_is_read_from_the_log(tmp_path):
+    server = VllmServer(VllmServerConfig(model="m"))
+    assert server.served_dtype() is None  # not started: no log
+    server.log_path = tmp_path / "vllm.log"
+    server.log_path.write_text("INFO loading\nInitializing a V1 LLM engine (v0.32.0) with config: "
+                               "model='m', kv_cache_dtype=torch.float8_e4m3fn, dtype=torch.bfloat16, "
+                               "max_seq_len=2048\n")
+    assert server.served_dtype() == "bfloat16"
 
 
 @pytest.mark.parametrize("rank", [0, 4, 24, 1024])
