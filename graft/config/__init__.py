@@ -3,12 +3,9 @@
 Import from here: `from graft.config import GraftConfig, load_config`.
 """
 
+from graft.config.base import ALL_LINEAR, LOOPBACK_HOSTS, VLLM_LORA_RANKS, ConfigError, is_loopback_url, module_list
 from graft.config.loading import config_to_yaml, load_config, save_config
 from graft.config.schema import (
-    ALL_LINEAR,
-    LOOPBACK_HOSTS,
-    VLLM_LORA_RANKS,
-    ConfigError,
     DataConfig,
     DistConfig,
     GraftConfig,
@@ -17,8 +14,6 @@ from graft.config.schema import (
     RolloutConfig,
     SyncConfig,
     TrainConfig,
-    is_loopback_url,
-    module_list,
 )
 
 __all__ = [

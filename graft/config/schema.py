@@ -6,14 +6,10 @@ cannot work together) raises `ConfigError` before anything expensive starts; `gr
 turns it into one message per problem that names the full dotted key and where its value came from.
 """
 
-import re
-from collections.abc import Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     field_validator,
@@ -21,72 +17,24 @@ from pydantic import (
 )
 
 # vLLM rejects any other --max-lora-rank at server start.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+from graft.config.base import (
+    ADAPTER_NAME_RE,
+    VLLM_LORA_RANKS,
+    ConfigError,
+    Section,
+    is_loopback_url,
+    module_list,
+)
 
 
-class ConfigError(ValueError):
-    """A user mistake in the config; the message names the dotted key(s) at fault.
-
-    `keys`: the dotted keys a cross-field check blames, so the message can also say where their
-    values came from (an override or the file).
-    """
-
-    def __init__(self, message: str, keys: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.keys = tuple(keys)
-
-
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def is_loopback_url(url: str) -> bool:
-    """True when `url`'s host is this machine's loopback (a server graft may treat as local)."""
-    return urlsplit(url).hostname in LOOPBACK_HOSTS
-
-
-class _Section(BaseModel):
-    """Base of every config model: a misspelt key is an error, never silently ignored.
-
-    No `__init__` override turns pydantic's ValidationError into ConfigError here: pydantic would
-    then call it for nested sections and lose the key path. `load_config` does the conversion.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-
-ALL_LINEAR = "all-linear"
-
-
-def module_list(value: Any, *, allow_all_linear: bool) -> str | list[str]:
-    """Normalise a module-name setting: a plain string is ONE module name, never its characters.
-
-    The one normaliser of module lists: config validation and `graft.lora.attach` both use it.
-
-    Args:
-        allow_all_linear: "all-linear" stays the string (every linear layer), and an empty list,
-            which would adapt nothing, is refused.
-
-    Raises:
-        ValueError: not a string or a list/tuple of non-empty strings; an empty list of targets.
-    """
-    if isinstance(value, str):
-        return value if allow_all_linear and value == ALL_LINEAR else [value]
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"must be a module name or a list of module names (got {value!r})")
-    if allow_all_linear and not value:
-        raise ValueError(f"must not be an empty list (use {ALL_LINEAR!r} to adapt every linear layer)")
-    return list(value)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model directory (or hub id) of the frozen base model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the frozen base weights; the LoRA adapter trains in float32."
     )
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     name: str = Field(
         "graft", description="Adapter name; engines see versions as '<name>-v<N>'. The single source of that name."
     )
@@ -103,8 +51,8 @@ class LoraConfig(_Section):
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:
-        if not _ADAPTER_NAME_RE.match(v):
-            raise ValueError(f"must match {_ADAPTER_NAME_RE.pattern} to be a valid engine adapter name (got {v!r})")
+        if not ADAPTER_NAME_RE.match(v):
+            raise ValueError(f"must match {ADAPTER_NAME_RE.pattern} to be a valid engine adapter name (got {v!r})")
         return v
 
     @field_validator("target_modules", mode="before")
@@ -118,7 +66,7 @@ class LoraConfig(_Section):
         return module_list(v, allow_all_linear=False)
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["vllm", "sglang", "reference"] = Field(
         "vllm", description="Inference engine that samples rollouts; 'reference' is the in-process HF sampler."
     )
@@ -216,7 +164,7 @@ class RolloutConfig(_Section):
         return self
 
 
-class SyncConfig(_Section):
+class SyncConfig(Section):
     mode: Literal["adapter", "merged"] = Field(
         "adapter", description="What is pushed to the engine after each step: 'adapter' = the LoRA adapter, loaded "
         "as '<lora.name>-v<N>' (any engine, local or remote); 'merged' = base + LoRA merged in fp32 into new "
@@ -259,7 +207,7 @@ class SyncConfig(_Section):
         return max_staleness + 2 if self.keep_versions == "auto" else self.keep_versions
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(20, ge=1, description="Optimizer steps (one rollout batch each).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per step; each gets rollout.n_samples completions.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters.")
@@ -310,7 +258,7 @@ class TrainConfig(_Section):
     eval_examples: int = Field(200, ge=1, description="Held-out examples used by each evaluation.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
     path: str | None = Field(None, description="JSONL file of training prompts; replaces data.task.")
     eval_path: str | None = Field(None, description="JSONL file of held-out prompts; null = a deterministic 10% held-out split of data.path (built-in tasks have their own held-out split).")
@@ -336,13 +284,13 @@ class DataConfig(_Section):
         return self
 
 
-class DistConfig(_Section):
+class DistConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
     )
 
 
-class GraftConfig(_Section):
+class GraftConfig(Section):
     """The whole run. Every section has defaults, so `GraftConfig()` is a valid (tiny) run."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Frozen base model.")

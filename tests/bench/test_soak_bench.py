@@ -19,3 +19,4 @@ def test_a_short_soak_loses_no_request_and_keeps_the_window():
     assert result["requests_ok"] > 30 and result["max_adapters_loaded"] <= result["max_loras"] == 3
     assert result["unload_failures"] == 0 and result["left_loaded"] == []
     assert result["server_rss_mib"]["first"] > 100
+
