@@ -77,5 +77,17 @@ async def _verify_one(engine: RolloutEngine, policy: nn.Module, adapter: str | N
     if gap > tolerance:
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
                             f"on the probe prompt, serving {adapter or 'the base model name'}: "
-                            "the engine is not serving the published policy", address=address, gap=gap)
+                            f"the engine is not serving the published policy{_dtype_hint(gap, tolerance)}",
+                            address=address, gap=gap)
     return gap
+
+
+def _dtype_hint(gap: float, tolerance: float) -> str:
+    """A float32 tolerance failed by a gap a bfloat16 engine would give (measured: 0.002 on the tiny
+    model served by `graft serve`'s default dtype): name the likely cause."""
+    bf16 = DEFAULT_TOLERANCE["bfloat16"]
+    if tolerance >= bf16 or gap > bf16:
+        return ""
+    return (f"; a gap this small (under the bfloat16 tolerance {bf16:g}) is what an engine serving bfloat16 weights "
+            "gives under model.dtype float32: start the server with `graft serve --dtype float32` (vLLM --dtype "
+            "float32) or set model.dtype to the engine's dtype")

@@ -83,3 +83,11 @@ def test_verification_checks_only_the_live_members_of_a_pool(base_dir):
 
     assert asyncio.run(scenario()) <= 1e-4
     assert list(pool.dropped) == ["http://dead:8000"] and dead.calls == [] and dead.started == 0
+
+
+def test_a_small_gap_under_a_float32_tolerance_names_dtype_as_the_likely_cause():
+    from graft.sync.verify import _dtype_hint
+
+    assert "graft serve --dtype float32" in _dtype_hint(0.002, 1e-3)  # measured: bf16 engine, fp32 trainer
+    assert _dtype_hint(3.0, 1e-3) == ""  # far too large for rounding: wrong weights, not dtype
+    assert _dtype_hint(0.5, 0.1) == ""  # already a bfloat16 tolerance
