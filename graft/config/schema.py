@@ -242,6 +242,10 @@ class TrainConfig(Section):
     logit_chunk_tokens: int | None = Field(
         None, ge=1, description="Token positions per LM-head chunk in the update (each chunk's fp32 logits are "
         "the only [tokens, vocab] tensor alive, forward and backward); null = about 256 MiB of logits per chunk.")
+    max_tokens_per_micro_batch: int | None = Field(
+        8192, ge=1, description="Padded tokens (rows x longest sequence) per forward/backward on one rank; "
+        "gradients accumulate over micro-batches, the loss divisor stays the whole mini-batch's, so this changes "
+        "memory, not results (as verl's ppo_max_token_len_per_gpu). null = no token limit.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

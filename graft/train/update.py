@@ -51,9 +51,41 @@ def _scored(model: nn.Module, input_ids_BT, attention_mask_BT, mask_BT, train: T
                                    with_entropy=with_entropy, chunk_tokens=train.logit_chunk_tokens)
 
 
-def _chunks(rows: list[int], size: int | None) -> list[list[int]]:
-    size = size or len(rows) or 1
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
+def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
+    """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
+    `train.max_tokens_per_micro_batch` padded tokens (rows x longest sequence) each; a row longer
+    than the budget goes alone. Activation memory scales with the padded tokens of one micro-batch."""
+    budget, size = train.max_tokens_per_micro_batch, train.micro_batch_size
+    out: list[list[int]] = []
+    longest = 0
+    for r in rows:
+        length = len(batch.sequences[r][0]) + len(batch.sequences[r][1])
+        if out and (size is None or len(out[-1]) < size) and \
+                (budget is None or (len(out[-1]) + 1) * max(longest, length) <= budget):
+            out[-1].append(r)
+            longest = max(longest, length)
+        else:
+            out.append([r])
+            longest = length
+    return out
+
+
+Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
+
+
+def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch, train: TrainConfig,
+               rank: int) -> Micros:
+    """`rank`'s micro-batches of its rows, as many as the rank with the most, so FSDP2's collectives
+    (one all-gather per forward, one reduce-scatter per backward) line up: a rank with fewer runs
+    stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
+    per_rank = [_micro_batches(rows, batch, train) for rows in rows_by_rank]
+    count = max(1, *(len(micros) for micros in per_rank))
+    mine = per_rank[rank]
+    return [(rows, 1.0) for rows in mine] + [([stand_in], 0.0)] * (count - len(mine))
+
+
+def _rows_by_rank(mini: list[int], ctx: Dist) -> list[list[int]]:
+    return [[mini[i] for i in Dist(rank, ctx.world_size).rows(len(mini))] for rank in range(ctx.world_size)]
 
 
 def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[int]]:
@@ -74,18 +106,23 @@ class _LogprobCache:
     there is no extra forward pass at all: the loss's own forward gives the old policy (see
     `note_gap`)."""
 
-    def __init__(self, model: nn.Module, batch: RolloutBatch, rows: list[int], train: TrainConfig, pad_id: int,
-                 old_needed: bool) -> None:
+    def __init__(self, model: nn.Module, batch: RolloutBatch, plans_by_rank: list[list[Micros]],
+                 train: TrainConfig, pad_id: int, rank: int, old_needed: bool) -> None:
         self.ref, self.engine, self.old = {}, {}, {}
         self.gap = 0.0
         device = next(model.parameters()).device
-        for r in rows:
+        # Every row a rank's plan touches (stand-ins too), all at once in micro-batches, as many as
+        # every other rank's.
+        rows_by_rank = [list(dict.fromkeys(r for micros in plan for rows, _ in micros for r in rows))
+                        for plan in plans_by_rank]
+        parts = [rows for rows, _ in _equalized(rows_by_rank, rows_by_rank[0][0], batch, train, rank)]
+        for r in {r for rows in parts for r in rows}:
             self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=torch.float32, device=device)
         ref_needed = bool(train.kl_coef)
         if not (ref_needed or old_needed):
             return
         with torch.no_grad():
-            for part in _chunks(rows, train.micro_batch_size):
+            for part in parts:
                 input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
                 if ref_needed:
                     with adapter_disabled(model):
@@ -128,20 +165,18 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
-    # (this rank's rows of each mini-batch, their weight): with fewer rows than ranks, a rank still
-    # takes part in FSDP2's forward and backward, on a stand-in row whose loss counts zero.
-    mine = [(rows, 1.0) if rows else ([mini[0]], 0.0)
-            for mini in minis for rows in [[mini[i] for i in ctx.rows(len(mini))]]]
+    plans_by_rank = [[_equalized(_rows_by_rank(mini, ctx), mini[0], batch, train, rank) for mini in minis]
+                     for rank in range(ctx.world_size)]
+    plan = plans_by_rank[ctx.rank]
     single_step = train.epochs * len(minis) == 1
-    cache = _LogprobCache(model, batch, sorted({r for rows, _ in mine for r in rows}), train, pad_id,
-                  old_needed=not single_step)
+    cache = _LogprobCache(model, batch, plans_by_rank, train, pad_id, ctx.rank, old_needed=not single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
-        for mini, (rows, weight) in zip(minis, mine):
+        for mini, micros in zip(minis, plan):
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
             loss_sum = 0.0
-            for part in _chunks(rows, train.micro_batch_size):
+            for part, weight in micros:
                 loss, stats = _micro_batch_loss(model, batch, part, advantages, train, pad_id, divisor, cache,
                                                 single_step)
                 (loss * weight).backward()

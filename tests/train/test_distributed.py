@@ -66,6 +66,9 @@ def _rank_main(rank: int, model_dir, out_dir, init_file, n_prompts, group, overr
     (1, 1, []),  # one row: rank 1 has nothing, yet takes part and the grad norm is the whole batch's
     (4, 2, ["train.mini_batches=2", "train.epochs=2", "train.loss_agg=seq-mean-token-mean", "train.tis_cap=2.0",
             "train.micro_batch_size=1"]),
+    # a token budget of 12 padded tokens: ranks end up with different micro-batch counts (equalized)
+    (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3"]),
+    (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
 ])
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
     model_dir = tiny_model_dirs["qwen2"]
@@ -116,3 +119,17 @@ def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path):
         for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert b["sync_logprob_abs_diff_max"] < 1e-4  # rank 0's unsharded copy serves what the shards trained
+
+
+def test_token_budget_micro_batches_update_like_one_batch(tiny_model_dirs):
+    """Micro-batches of at most 16 padded tokens (sequences of 4-10 tokens: 1-4 rows each) give the
+    metrics and LoRA weights of one micro-batch per mini-batch, after 3 updates (<= 1e-5)."""
+    model_dir = tiny_model_dirs["qwen2"]
+    common = ["train.mini_batches=2", "train.tis_cap=2.0", "train.lr=1e-3"]  # Adam: see the weight tolerance above
+    whole_metrics, whole_weights = _updates(model_dir, Dist(), 4, 3, [*common, "train.max_tokens_per_micro_batch="])
+    split_metrics, split_weights = _updates(model_dir, Dist(), 4, 3, [*common, "train.max_tokens_per_micro_batch=16"])
+    for whole, split in zip(whole_metrics, split_metrics):
+        for key in _COMPARED:
+            assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    for name, weight in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], weight, rtol=1e-5, atol=1e-5)

@@ -127,3 +127,19 @@ def test_the_update_never_holds_more_than_one_chunk_of_float32_vocab_logits():
         metrics = policy_update(model, optimizer, batch, config.train, pad_id=0)
     assert metrics["optimizer_steps"] == 2 and metrics["entropy"] > 0
     assert 0 < LargestVocabTensor.largest <= chunk  # rows of vocab logits alive at once
+
+
+def test_micro_batches_respect_the_token_budget_and_the_row_limit():
+    from graft.train.rollout_batch import RolloutBatch
+    from graft.train.update import _micro_batches
+
+    lengths = [(3, 2), (2, 2), (6, 4), (1, 1), (4, 4), (2, 1)]  # sequence lengths 5, 4, 10, 2, 8, 3
+    batch = RolloutBatch([([1] * p, [2] * c) for p, c in lengths], [[0.0] * c for _, c in lengths],
+                         torch.zeros(2, 3), version=0, seconds=0.0)
+    config = load_config(None, ["train.max_tokens_per_micro_batch=16"])
+    # in order, greedy: 2x5, 10 alone, 2x8, then 3 (3x8 would pass 16)
+    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3, 4], [5]]
+    config = load_config(None, ["train.max_tokens_per_micro_batch=100", "train.micro_batch_size=2"])
+    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
+    config = load_config(None, ["train.max_tokens_per_micro_batch=", "train.micro_batch_size="])
+    assert _micro_batches(list(range(6)), batch, config.train) == [list(range(6))]
