@@ -104,6 +104,22 @@ def shutdown_distributed(ctx: Dist) -> None:
         dist.destroy_process_group()
 
 
+def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool = False) -> nn.Module:
+    """The one place a model is parallelised, in this order (torchtitan's):
+
+    1. tensor parallelism — not yet (a later `dist.tp`); it must see the plain `nn.Linear` layers;
+    2. activation checkpointing per decoder layer: each layer keeps only its input for the backward
+       and recomputes the rest; before FSDP2, so each sharded unit is a checkpointed layer;
+    3. compile — not used;
+    4. FSDP2: each decoder layer one unit, the rest the root (one rank: nothing to shard).
+    """
+    if activation_checkpointing:
+        # HF's per-layer hook keeps module and parameter names unchanged (PEFT keys, checkpoints);
+        # non-reentrant, so LoRA weights inside a layer get gradients although its input needs none.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return shard_model(model, ctx)
+
+
 def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
     """FSDP2: each decoder layer is one unit, the rest the root. Gradients are summed over ranks, not
     averaged: the loss of each rank's slice is already divided by the whole batch's divisor."""

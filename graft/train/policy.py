@@ -22,7 +22,7 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, shard_model
+from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 
@@ -66,7 +66,7 @@ class PolicyState:
         self.config, self.ctx, self.pad_id = config, ctx, pad_id
         self.checkpoints = run_dir / "checkpoints"
         self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
-        shard_model(self.model, ctx)
+        parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing)
         # Rank 0 publishes and verifies from an unsharded copy that receives the LoRA weights after
         # each step (a LoRA-only gather); with one rank the model itself.
         self.publish_model = build_policy(config.model, config.lora, config.train.seed) if ctx.active and ctx.is_main else self.model
