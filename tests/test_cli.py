@@ -107,3 +107,19 @@ def test_a_hub_id_in_the_local_cache_runs_offline(base_dir, tmp_path):
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
         f"graft: error: graft-test/absent is neither a local directory nor a model in the Hugging Face cache "
         f"{tmp_path / 'hub'}: download it first (`hf download graft-test/absent`) or give a model directory"]
+
+
+def test_a_full_disk_is_one_line_naming_the_file(base_dir, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from graft.train import trainer
+
+    def no_space(config, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer, "save_config", no_space)
+    code = main(["train", "-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "--run-dir",
+                 str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("graft: error: No space left on device: ") and "config.yaml" in err[0]
