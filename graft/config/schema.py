@@ -241,7 +241,7 @@ class TrainConfig(Section):
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (each pass takes mini_batches steps).")
     logit_chunk_tokens: int | None = Field(
         None, ge=1, description="Token positions per LM-head chunk in the update (each chunk's fp32 logits are "
-        "the only [tokens, vocab] tensor alive, forward and backward); null = about 256 MiB of logits per chunk.")
+        "the only [tokens, vocab] tensor alive, forward and backward); null = about 64 MiB of logits per chunk.")
     activation_checkpointing: bool = Field(
         False, description="Keep only each decoder layer's input for the backward and recompute the rest: "
         "activation memory per layer drops from the layer's intermediates to its input, for one more "

@@ -4,7 +4,7 @@ Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch ro
 per padded row. Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
 token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
 completion token, so with ``targets = next_token_targets(input_ids)`` and
-``logprobs = token_logprobs(logits, targets)`` the masked values are exactly the completion
+``logprobs, _ = token_logprobs_and_entropy(logits, targets)`` the masked values are exactly the completion
 tokens' log-probs, in order. A sequence of prompt length P and completion length C has its mask
 at in-sequence positions ``P-1 .. P+C-2``.
 

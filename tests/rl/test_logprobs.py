@@ -9,9 +9,18 @@ import math
 import pytest
 import torch
 
-from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs, token_entropy, token_logprobs
+from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs, token_logprobs_and_entropy
 from graft.rl.packing import pad
 from tests.helpers import trained_like_peft_model
+
+
+def token_logprobs(logits_xV, tokens_x):
+    return token_logprobs_and_entropy(logits_xV, tokens_x, with_entropy=False)[0]
+
+
+def token_entropy(logits_xV):
+    return token_logprobs_and_entropy(logits_xV, logits_xV.new_zeros(logits_xV.shape[:-1], dtype=torch.long))[1]
+
 
 SEQUENCES = [([5, 9, 11], [12, 40, 41, 2]), ([7, 8, 9, 10, 11, 12], [3]), ([4], [99, 100, 101, 102, 103, 104])]
 

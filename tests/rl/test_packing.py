@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from graft.rl.logprobs import token_logprobs
+from graft.rl.logprobs import token_logprobs_and_entropy
 from graft.rl.packing import (
     block_diagonal_mask,
     next_token_targets,
@@ -19,6 +19,11 @@ from graft.rl.packing import (
     position_ids_from_mask,
     unpack_completion_logprobs,
 )
+
+
+def token_logprobs(logits_xV, tokens_x):
+    return token_logprobs_and_entropy(logits_xV, tokens_x, with_entropy=False)[0]
+
 
 VOCAB = 50
 
