@@ -66,6 +66,14 @@ def _bench_soak(args: argparse.Namespace) -> dict:
     return result
 
 
+def _bench_memory(args: argparse.Namespace) -> dict:
+    from graft.bench.memory import print_memory_report, run_memory_bench
+
+    result = run_memory_bench(layers=(args.layers or 2,))
+    print_memory_report(result)
+    return result
+
+
 # `graft bench WHICH`: each runs, prints its table and returns what --json writes.
 BENCHES = {"merge": _bench_merge, "rollout": _bench_rollout, "sync": _bench_sync, "e2e": _bench_e2e,
-           "learning": _bench_learning, "soak": _bench_soak}
+           "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory}
