@@ -11,6 +11,8 @@ from graft.config import (
     load_config,
     save_config,
 )
+from tests.config.common import config_error as _error
+from tests.config.common import write_config as _write
 
 FULL_YAML = """\
 model: {path: /models/tiny, dtype: bfloat16}
@@ -48,16 +50,6 @@ dist: {backend: gloo}
 """
 
 
-def _write(tmp_path, text, name="run.yaml"):
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def _error(path=None, overrides=()):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return str(info.value)
 
 
 def test_yaml_sets_every_section(tmp_path):

@@ -10,53 +10,8 @@ from graft.config import (
     SyncConfig,
     load_config,
 )
-
-FULL_YAML = """\
-model: {path: /models/tiny, dtype: bfloat16}
-lora:
-  name: my-run.v2
-  rank: 4
-  alpha: 8
-  dropout: 0.05
-  target_modules: [q_proj, v_proj]
-  exclude_modules: lm_head
-rollout:
-  engine: sglang
-  urls: [http://a:8000, http://b:8000]
-  launch: false
-  max_loras: 8
-  max_lora_rank: 32
-  n_samples: 4
-  max_new_tokens: 64
-  temperature: 0.7
-  top_p: 0.9
-  max_staleness: 2
-sync: {mode: merged, dir: /tmp/w, keep_versions: 3, verify: false}
-train:
-  steps: 5
-  batch_prompts: 2
-  lr: 3.0e-5
-  kl_coef: 0.01
-  entropy_coef: 0.001
-  clip_eps: 0.3
-  loss_agg: seq-mean-token-mean
-  seed: 7
-  grad_clip: 0.5
-data: {task: null, path: train.jsonl, eval_path: eval.jsonl, reward: contains}
-dist: {backend: gloo}
-"""
-
-
-def _write(tmp_path, text, name="run.yaml"):
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def _error(path=None, overrides=()):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return str(info.value)
+from tests.config.common import config_error as _error
+from tests.config.common import write_config as _write
 
 
 def test_defaults_are_valid():

@@ -9,22 +9,13 @@ import pytest
 import torch
 
 from graft.lora.attach import lora_parameters
-from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.verify import verify_delivery
 from tests.helpers import trained_like_peft_model
-
-GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
-PROMPTS = [(5, 17, 200, 33, 9), tuple(range(10, 50))]  # the second spans several KV blocks
-FP32_TOLERANCE = 1e-3
-
-
-async def _greedy(engine, adapter=None):
-    out = await engine.generate([GenerateRequest(p, GREEDY) for p in PROMPTS], adapter=adapter)
-    return [c[0].token_ids for c in out]
+from tests.sync.common import FP32_TOLERANCE, greedy
 
 
 def _base_weights(model):
@@ -39,12 +30,12 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
 
     async def scenario():
         async with VllmClient(vllm_server.url) as client:
-            base_tokens = await _greedy(client)
+            base_tokens = await greedy(client)
             try:
                 result = await MergedSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
                 assert result.mode == "merged" and result.bytes > 0 and result.engine_adapters_loaded == 0
-                served = await _greedy(client)
-                assert served == await _greedy(ReferenceEngine(result_path(publisher, 1)))
+                served = await greedy(client)
+                assert served == await greedy(ReferenceEngine(result_path(publisher, 1)))
                 assert served != base_tokens
                 gap = await verify_delivery(client, model, adapter=None, tolerance=FP32_TOLERANCE)
                 assert gap <= FP32_TOLERANCE
@@ -60,7 +51,7 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
                 assert await verify_delivery(client, model, adapter=None, tolerance=FP32_TOLERANCE) <= FP32_TOLERANCE
             finally:
                 await client.reload_weights(str(base_dir))
-            assert await _greedy(client) == base_tokens
+            assert await greedy(client) == base_tokens
 
     asyncio.run(scenario())
 

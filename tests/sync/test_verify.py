@@ -9,23 +9,10 @@ import logging
 import pytest
 
 from graft.lora.adapter_io import save_adapter
-from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
 from graft.sync.verify import DeliveryError, verify_delivery
 from tests.helpers import trained_like_peft_model
-
-GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
-PROMPTS = [(5, 17, 200, 33, 9), tuple(range(10, 50))]  # the second spans several KV blocks
-FP32_TOLERANCE = 1e-3
-
-
-async def _greedy(engine, adapter=None):
-    out = await engine.generate([GenerateRequest(p, GREEDY) for p in PROMPTS], adapter=adapter)
-    return [c[0].token_ids for c in out]
-
-
-def _base_weights(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+from tests.sync.common import FP32_TOLERANCE
 
 
 @pytest.mark.vllm

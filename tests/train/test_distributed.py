@@ -123,32 +123,32 @@ def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path):
         assert b["sync_logprob_abs_diff_max"] < 1e-4  # rank 0's unsharded copy serves what the shards trained
 
 
+# Adam lr 1e-3 (not 1e-2): see the weight tolerance above.
+_ONE_PROCESS = ["train.mini_batches=2", "train.tis_cap=2.0", "train.lr=1e-3"]
+
+
+def _assert_same_updates(model_dir, overrides_a: list[str], overrides_b: list[str], tol: float) -> None:
+    """One process, 3 updates each way: the same metrics and LoRA weights within `tol`."""
+    metrics_a, weights_a = _updates(model_dir, Dist(), 4, 3, [*_ONE_PROCESS, *overrides_a])
+    metrics_b, weights_b = _updates(model_dir, Dist(), 4, 3, [*_ONE_PROCESS, *overrides_b])
+    for a, b in zip(metrics_a, metrics_b):
+        for key in _COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=tol, abs=1e-6), key
+    for name, weight in weights_a.items():
+        torch.testing.assert_close(weights_b[name], weight, rtol=tol, atol=tol)
+
+
 def test_token_budget_micro_batches_update_like_one_batch(tiny_model_dirs):
     """Micro-batches of at most 16 padded tokens (sequences of 4-10 tokens: 1-4 rows each) give the
-    metrics and LoRA weights of one micro-batch per mini-batch, after 3 updates (<= 1e-5)."""
-    model_dir = tiny_model_dirs["qwen2"]
-    common = ["train.mini_batches=2", "train.tis_cap=2.0", "train.lr=1e-3"]  # Adam: see the weight tolerance above
-    whole_metrics, whole_weights = _updates(model_dir, Dist(), 4, 3, [*common, "train.max_tokens_per_micro_batch="])
-    split_metrics, split_weights = _updates(model_dir, Dist(), 4, 3, [*common, "train.max_tokens_per_micro_batch=16"])
-    for whole, split in zip(whole_metrics, split_metrics):
-        for key in _COMPARED:
-            assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
-    for name, weight in whole_weights.items():
-        torch.testing.assert_close(split_weights[name], weight, rtol=1e-5, atol=1e-5)
+    metrics and LoRA weights of one micro-batch per mini-batch (<= 1e-5)."""
+    _assert_same_updates(tiny_model_dirs["qwen2"], ["train.max_tokens_per_micro_batch="],
+                         ["train.max_tokens_per_micro_batch=16"], tol=1e-5)
 
 
 def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):
-    """Per-layer activation checkpointing: the same metrics and LoRA weights after 3 updates (<= 1e-6),
-    KL, entropy bonus and TIS on."""
-    model_dir = tiny_model_dirs["qwen2"]
-    common = ["train.mini_batches=2", "train.tis_cap=2.0", "train.lr=1e-3"]
-    off_metrics, off_weights = _updates(model_dir, Dist(), 4, 3, common)
-    on_metrics, on_weights = _updates(model_dir, Dist(), 4, 3, [*common, "train.activation_checkpointing=true"])
-    for off, on in zip(off_metrics, on_metrics):
-        for key in _COMPARED:
-            assert on[key] == pytest.approx(off[key], rel=1e-6, abs=1e-6), key
-    for name, weight in off_weights.items():
-        torch.testing.assert_close(on_weights[name], weight, rtol=1e-6, atol=1e-6)
+    """Per-layer activation checkpointing: the same metrics and LoRA weights (<= 1e-6), KL, entropy
+    bonus and TIS on."""
+    _assert_same_updates(tiny_model_dirs["qwen2"], [], ["train.activation_checkpointing=true"], tol=1e-6)
 
 
 def test_activation_checkpointing_keeps_less_for_the_backward_and_recomputes_it(tiny_model_dirs):
