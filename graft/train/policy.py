@@ -59,7 +59,7 @@ class PolicyState:
         resume: continue from the newest checkpoint in RUN_DIR/checkpoints.
 
     Raises:
-        ResumeError: `resume` without a checkpoint, or a fresh start where checkpoints exist.
+        ResumeError: `resume` without a checkpoint that loads.
     """
 
     def __init__(self, config: GraftConfig, run_dir: Path, ctx: Dist, pad_id: int, resume: bool) -> None:
@@ -72,11 +72,9 @@ class PolicyState:
         self.publish_model = build_policy(config.model, config.lora, config.train.seed) if ctx.active and ctx.is_main else self.model
         self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
         self.step, self.version = 0, 0
-        if resume:
+        if resume:  # a fresh start over checkpoints is refused by the caller, before it writes anything
             self._resume()
             self._gather_for_publishing()
-        else:
-            refuse_fresh_start_over_checkpoints(run_dir)
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads; a damaged one (a crash or a full disk while it was

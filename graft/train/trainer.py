@@ -181,9 +181,9 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
     try:
         with _run_dir_lock(run_dir) if ctx.is_main else contextlib.nullcontext():
             torch.manual_seed(config.train.seed)
+            if not resume:  # every rank, before anything is written: a refused start changes nothing
+                refuse_fresh_start_over_checkpoints(run_dir)
             if ctx.is_main:
-                if not resume:  # before anything is written: a refused start changes nothing
-                    refuse_fresh_start_over_checkpoints(run_dir)
                 save_config(config, run_dir / "config.yaml")
             task = _load_task(config)
             policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)

@@ -73,15 +73,14 @@ def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> 
 Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
 
 
-def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch, train: TrainConfig,
-               rank: int) -> Micros:
-    """`rank`'s micro-batches of its rows, as many as the rank with the most, so FSDP2's collectives
-    (one all-gather per forward, one reduce-scatter per backward) line up: a rank with fewer runs
-    stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
+def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch,
+               train: TrainConfig) -> list[Micros]:
+    """Each rank's micro-batches of its rows, as many as the rank with the most, so FSDP2's
+    collectives (one all-gather per forward, one reduce-scatter per backward) line up: a rank with
+    fewer runs stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
     per_rank = [_micro_batches(rows, batch, train) for rows in rows_by_rank]
     count = max(1, *(len(micros) for micros in per_rank))
-    mine = per_rank[rank]
-    return [(rows, 1.0) for rows in mine] + [([stand_in], 0.0)] * (count - len(mine))
+    return [[(rows, 1.0) for rows in micros] + [([stand_in], 0.0)] * (count - len(micros)) for micros in per_rank]
 
 
 def _rows_by_rank(mini: list[int], ctx: Dist) -> list[list[int]]:
@@ -115,7 +114,7 @@ class _LogprobCache:
         # every other rank's.
         rows_by_rank = [list(dict.fromkeys(r for micros in plan for rows, _ in micros for r in rows))
                         for plan in plans_by_rank]
-        parts = [rows for rows, _ in _equalized(rows_by_rank, rows_by_rank[0][0], batch, train, rank)]
+        parts = [rows for rows, _ in _equalized(rows_by_rank, rows_by_rank[0][0], batch, train)[rank]]
         for r in {r for rows in parts for r in rows}:
             self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=torch.float32, device=device)
         ref_needed = bool(train.kl_coef)
@@ -165,8 +164,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
-    plans_by_rank = [[_equalized(_rows_by_rank(mini, ctx), mini[0], batch, train, rank) for mini in minis]
-                     for rank in range(ctx.world_size)]
+    by_mini = [_equalized(_rows_by_rank(mini, ctx), mini[0], batch, train) for mini in minis]
+    plans_by_rank = [[plans[rank] for plans in by_mini] for rank in range(ctx.world_size)]
     plan = plans_by_rank[ctx.rank]
     single_step = train.epochs * len(minis) == 1
     cache = _LogprobCache(model, batch, plans_by_rank, train, pad_id, ctx.rank, old_needed=not single_step)
