@@ -14,7 +14,6 @@ means no leak per cycle.
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,18 +28,12 @@ from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, group_stats
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, group_rss_bytes
 from graft.sync.adapter import AdapterSync, adapter_version
 from graft.sync.inflight import InFlightVersions
 from graft.sync.publish import WeightPublisher
 
 LORA_NAME = "soak"
-_RSS_FIELD = 21  # /proc/<pid>/stat after the command name: rss (pages) is field 24, index 21 here
-
-
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every live process in process group `pgid`, in bytes."""
-    return sum(int(fields[_RSS_FIELD]) for fields in group_stats(pgid)) * os.sysconf("SC_PAGE_SIZE")
 
 
 async def _generate_until(stop: asyncio.Event, client: VllmClient, sync: AdapterSync, inflight: InFlightVersions,

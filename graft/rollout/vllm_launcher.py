@@ -144,6 +144,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+# /proc/<pid>/stat fields after the command name: utime is field 14 (index 11 here), rss (pages) 24 (21).
+_RSS_FIELD = 21
+
+
 def group_stats(pgid: int) -> Iterator[list[str]]:
     """The /proc/<pid>/stat fields after the command name (state, ppid, pgrp, ..., utime at 11,
     stime at 12) of every process now in process group `pgid`."""
@@ -163,6 +167,12 @@ def group_cpu_seconds(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
     total_ticks = sum(int(fields[11]) + int(fields[12]) for fields in group_stats(pgid))
     return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of the live processes of process group `pgid` (a server and its engine
+    processes), in bytes."""
+    return sum(int(fields[_RSS_FIELD]) for fields in group_stats(pgid)) * os.sysconf("SC_PAGE_SIZE")
 
 
 def group_alive(pgid: int) -> bool:

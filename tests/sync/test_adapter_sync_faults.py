@@ -1,0 +1,83 @@
+"""AdapterSync under faults: a failed unload is counted and retried, an adapter already gone is
+forgotten, adapters a killed run left are unloaded before the first load, and a version changed on
+disk after publishing is never loaded."""
+
+import logging
+
+import pytest
+
+from tests.sync.common import RecordingEngine, make_sync, names, run
+
+
+def test_adapters_a_killed_run_left_are_unloaded_before_the_first_load(tmp_path, peft_model, caplog):
+    # A killed run with the same lora.name left v1 and v2 loaded; a rerun (or --resume) loads v1 again.
+    engine = RecordingEngine(others=("policy-v1", "policy-v2", "policy-vx", "other-v1"))
+    sync, _, _ = make_sync(engine, tmp_path, keep=2, lora_name="policy")
+
+    async def main():
+        with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
+            await sync.sync(peft_model, 1, step=1)
+        assert engine.calls[:3] == ["unload policy-v1", "unload policy-v2", "load policy-v1"]
+        assert "earlier run" in caplog.text and "policy-v1, policy-v2" in caplog.text
+        await sync.sync(peft_model, 2, step=2)  # later syncs never unload what this run loaded as stale
+        assert set(engine.adapters) == {"policy-v1", "policy-v2", "policy-vx", "other-v1"}
+        await sync.close()
+        assert set(engine.adapters) == {"policy-vx", "other-v1"}  # not names graft makes: left alone
+
+    run(main())
+
+
+def test_an_unload_failure_is_logged_counted_and_retried_at_the_next_sync(tmp_path, peft_model, caplog):
+    engine = RecordingEngine()
+    sync, _, _ = make_sync(engine, tmp_path, keep=2, max_loras=4)
+
+    async def main():
+        await sync.sync(peft_model, 1, step=1)
+        await sync.sync(peft_model, 2, step=2)
+        engine.fail_unloads = 1
+        with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
+            result = await sync.sync(peft_model, 3, step=3)
+        assert sync.current == "graft-v3" and result.unload_failures == 1 and sync.unload_failures == 1
+        assert "graft-v1" in caplog.text and "unload exploded" in caplog.text
+        assert sync.loaded == [1, 2, 3] and result.engine_adapters_loaded == 3  # v1 may still hold a slot
+        result = await sync.sync(peft_model, 4, step=4)  # retried once, succeeds
+        assert result.unload_failures == 0 and sync.unload_failures == 1
+        assert sync.loaded == [3, 4] and engine.graft_adapters() == names([3, 4])
+        await sync.close()
+
+    run(main())
+
+
+def test_an_adapter_already_gone_is_forgotten_without_counting_a_failure(tmp_path, peft_model, caplog):
+    engine = RecordingEngine()
+    sync, _, _ = make_sync(engine, tmp_path, keep=1, max_loras=4)
+
+    async def main():
+        await sync.sync(peft_model, 1, step=1)
+        del engine.adapters["graft-v1"]  # e.g. someone else unloaded it
+        with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
+            result = await sync.sync(peft_model, 2, step=2)
+        assert "already gone" in caplog.text and "graft-v1" in caplog.text
+        assert result.unload_failures == 0 and sync.loaded == [2]
+        await sync.close()
+
+    run(main())
+
+
+def test_a_version_changed_on_disk_after_publishing_is_never_loaded(tmp_path, peft_model, monkeypatch):
+    from graft.sync import adapter as adapter_module
+    from graft.sync.publish import CorruptVersionError
+
+    engine = RecordingEngine()
+    sync, _, publisher = make_sync(engine, tmp_path, keep=2)
+    real_read_version = adapter_module.read_version
+
+    def tampered_then_read(root, kind, version, **kwargs):
+        weights = publisher.root / f"{kind}-v{version:06d}" / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")  # between publish and load
+        return real_read_version(root, kind, version, **kwargs)
+
+    monkeypatch.setattr(adapter_module, "read_version", tampered_then_read)
+    with pytest.raises(CorruptVersionError, match="adapter_model.safetensors"):
+        run(sync.sync(peft_model, 1, step=1))
+    assert engine.adapters == {}
