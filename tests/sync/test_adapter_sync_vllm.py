@@ -18,7 +18,7 @@ from tests.sync.common import make_sync, run
 
 @pytest.mark.vllm
 def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir, tmp_path):
-    cycles, keep = 50, 3
+    cycles, keep, max_loras = 50, 3, 4
     model = trained_like_peft_model(base_dir, rank=8, seed=0)
     request = [GenerateRequest((5, 17, 200, 33, 9), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))]
     max_seen = {"after sync": 0, "concurrent": 0}
@@ -32,7 +32,7 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
     async def main():
         async with VllmClient(vllm_server.url) as client:
             assert await client.list_adapters() == []
-            sync, inflight, _ = make_sync(client, tmp_path, keep=keep, max_loras=4, lora_name="accept",
+            sync, inflight, _ = make_sync(client, tmp_path, keep=keep, max_loras=max_loras, lora_name="accept",
                                           disk_keep=keep + 1)
             stop = asyncio.Event()
 
@@ -54,7 +54,10 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
                     randomize_lora(model, seed=v)
                     result = await sync.sync(model, v, step=v)
                     results.append(result)
-                    assert result.unload_failures == 0 and result.engine_adapters_loaded == min(v, keep)
+                    # A retired version a request still runs on is unloaded when that request ends: the
+                    # window plus at most that one, and never more than max_loras.
+                    assert result.unload_failures == 0
+                    assert min(v, keep) <= result.engine_adapters_loaded <= min(min(v, keep) + 1, max_loras)
                     await count_on_server(client, "after sync")
                     if v == keep:  # the window is full from here on: memory should stay flat
                         rss["window full"] = group_rss_bytes(vllm_server.pid)
@@ -79,7 +82,9 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
           f"{len(served)} concurrent requests served, 0 failed; "
           f"max graft adapters listed {max_seen}; server RSS MB "
           f"{ {k: round(b / 2**20) for k, b in rss.items()} } ({growth_mb:+.1f} MB over cycles {keep}..{cycles})")
-    assert max(max_seen.values()) <= keep
+    # The window is kept (a listing between a request's end and its version's unload may show one more),
+    # and the engine never holds more than max_loras graft adapters.
+    assert max_seen["after sync"] >= keep and max(max_seen.values()) <= max_loras
     assert len(served) >= cycles  # generation really ran alongside the syncs
     assert len(set(served)) > cycles // 2  # ... on many versions, as they became current
     assert growth_mb < 300
