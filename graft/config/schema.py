@@ -30,7 +30,9 @@ from graft.config.base import (
 class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model directory (or hub id) of the frozen base model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Dtype of the frozen base weights; the LoRA adapter trains in float32."
+        "float32", description="Dtype of the frozen base weights; the LoRA adapter, its gradients and AdamW "
+        "state stay float32. bfloat16/float16 is mixed precision: under FSDP2 the forward computes in that "
+        "dtype and gradients are reduced in float32."
     )
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graft.models.loading import model_dtype
 from graft.train.rollout_batch import RolloutBatch
 
 # Rank 0 may wait for a slow rollout or sync while the others block in a collective.
@@ -111,7 +112,8 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool =
     2. activation checkpointing per decoder layer: each layer keeps only its input for the backward
        and recomputes the rest; before FSDP2, so each sharded unit is a checkpointed layer;
     3. compile — not used;
-    4. FSDP2: each decoder layer one unit, the rest the root (one rank: nothing to shard).
+    4. FSDP2: each decoder layer one unit, the rest the root (one rank: nothing to shard), with
+       the mixed-precision policy of the base's dtype (`mixed_precision`).
     """
     if activation_checkpointing:
         # HF's per-layer hook keeps module and parameter names unchanged (PEFT keys, checkpoints);
@@ -120,24 +122,50 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool =
     return shard_model(model, ctx)
 
 
+def mixed_precision(model: nn.Module):
+    """FSDP2's `MixedPrecisionPolicy` for `model`: None (full fp32) when the base is fp32; with a
+    bf16/fp16 base (`model.dtype`), compute in that dtype and reduce gradients in fp32.
+
+    The stored weights keep their own dtypes: the frozen base in bf16 (half the memory of fp32), the
+    LoRA factors in fp32 (PEFT upcasts adapters on a half-precision base), so their gradients
+    (reduce-scattered in fp32 into fp32 shards) and AdamW's state are fp32: an update smaller than
+    bf16's resolution of a weight is not lost. Each forward all-gathers the LoRA factors cast to the
+    base's dtype: every matmul runs in bf16 and no fp32 copy of a layer's input is saved for the
+    backward (one process, without FSDP2, PEFT computes the LoRA path in fp32 instead).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = model_dtype(model)
+    if dtype == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
     """FSDP2: each decoder layer is one unit, the rest the root. Gradients are summed over ranks, not
     averaged: the loss of each rank's slice is already divided by the whole batch's divisor."""
     if not ctx.active:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (ctx.world_size,))
+    policy = mixed_precision(model) or MixedPrecisionPolicy()
     for module in model.modules():
         if type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # neither setter is recursive: every unit
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    # FSDP2 fixes each unit's trainable parameters, and with them the dtype its gradients are cast
+    # to, at the first forward. That must not be a reference forward: PEFT's disable_adapter turns
+    # the LoRA factors' requires_grad off, and bf16 gradients then reached the fp32 LoRA shards
+    # (a RuntimeError at the first backward). One token, adapter on, on every rank, now.
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ctx.device), use_cache=False)
     return model
 
 
