@@ -214,12 +214,15 @@ def _add_bench_command(sub) -> None:
                                    "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
                                    "failed requests, adapters loaded at most, server RSS growth. "
                                    "memory: peak RSS and seconds of one GRPO update at the Qwen2.5-0.5B shape "
-                                   "(--layers, default 2; real vocabulary). Results and how to read "
+                                   "(--layers, default 2; real vocabulary). "
+                                   "step: one whole `graft train` step (vLLM rollout of 64 x 256 tokens, update, "
+                                   "adapter sync, verification) at the Qwen2.5-0.5B shape (--layers, default 24), "
+                                   "default config; seconds per phase, peak memory. Results and how to read "
                                    "them: docs/benchmarks.md.")
     p.add_argument("which", choices=list(BENCHES), help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e: one model instead of h128 l2 and h512 l8)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2, memory 2 or 24)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2, memory 2 or 24, step 24)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
     p.add_argument("--steps", type=int, default=None,

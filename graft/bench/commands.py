@@ -74,6 +74,18 @@ def _bench_memory(args: argparse.Namespace) -> dict:
     return result
 
 
+def _bench_step(args: argparse.Namespace) -> dict:
+    from graft.bench.step import print_step_report, real_shape_model, run_step_bench
+    from graft.quickstart.base import default_cache_dir
+
+    layers = args.layers or 24
+    model_dir = real_shape_model(default_cache_dir() / f"qwen2.5-0.5b-shape-{layers}-layers", layers)
+    result = run_step_bench(model_dir)
+    print_step_report(result)
+    return result
+
+
 # `graft bench WHICH`: each runs, prints its table and returns what --json writes.
 BENCHES = {"merge": _bench_merge, "rollout": _bench_rollout, "sync": _bench_sync, "e2e": _bench_e2e,
-           "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory}
+           "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory,
+           "step": _bench_step}

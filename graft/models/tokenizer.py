@@ -14,6 +14,7 @@ hash-map order) needs a ``continuing_subword_prefix``, which we do not use. Meas
 ``TOKENIZERS_PARALLELISM``.
 """
 
+import json
 import random
 from collections.abc import Iterator
 
@@ -180,3 +181,25 @@ def train_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=2048,
     )
+
+
+def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, size: int) -> PreTrainedTokenizerFast:
+    """``tokenizer`` with filler tokens ``<|filler_N|>`` appended until ``len(tokenizer) == size``.
+
+    The built-in corpus stops BPE at about 1180 tokens; a model of a real vocabulary (e.g. 151,936)
+    samples every id, and an inference server must decode each one. The fillers are ordinary
+    vocabulary entries no merge produces, so encoding is unchanged and every id decodes.
+
+    Raises:
+        ValueError: If ``size`` is below the tokenizer's current size.
+    """
+    if size < len(tokenizer):
+        raise ValueError(f"cannot pad a vocabulary of {len(tokenizer)} tokens down to {size}")
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    first = max(vocab.values()) + 1
+    assert first == len(tokenizer), "special tokens are expected inside the BPE vocabulary"
+    vocab.update({f"<|filler_{i}|>": i for i in range(first, size)})
+    padded = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                     **{k: v for k, v in tokenizer.init_kwargs.items() if k != "tokenizer_object"})
+    return padded

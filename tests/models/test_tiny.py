@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from graft.models.loading import load_tokenizer
 from graft.models.tiny import ARCHS, VLLM_CPU_HEAD_DIMS, build_tiny_model, tiny_config
-from graft.models.tokenizer import IM_END, IM_START, PAD_TOKEN, train_tokenizer
+from graft.models.tokenizer import IM_END, IM_START, PAD_TOKEN, pad_vocabulary, train_tokenizer
 
 TINY = {"hidden": 64, "layers": 2}
 
@@ -188,3 +188,20 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         build_tiny_model(tmp_path / "m", **TINY)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_padded_vocabulary_encodes_alike_and_decodes_every_id(tokenizer, tmp_path):
+    """A real-vocabulary model samples every id: each decodes, and text encodes as before."""
+    padded = pad_vocabulary(tokenizer, 151_936)
+    assert len(padded) == 151_936
+    text = f"{IM_START}user\nWhat is 12+7?{IM_END}\n"
+    assert padded.encode(text) == tokenizer.encode(text)
+    assert padded.decode([len(tokenizer), 151_935]) == f"<|filler_{len(tokenizer)}|><|filler_151935|>"
+    assert (padded.eos_token_id, padded.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    padded.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(loaded) == 151_936 and loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_vocabulary(tokenizer, len(tokenizer) - 1)
