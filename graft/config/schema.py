@@ -97,7 +97,9 @@ class RolloutConfig(Section):
         "many stay; below it the run stops. Set it to the number of URLs to stop at the first failure."
     )
     request_timeout_s: float = Field(
-        300.0, gt=0, description="Seconds one generation request (and a base-weight reload) may take."
+        1800.0, gt=0, description="Seconds one generation request (and a base-weight reload) may take at most; a "
+        "vLLM generation unanswered for control_timeout_s has the server's health checked, so a frozen server "
+        "fails it well before this ceiling."
     )
     control_timeout_s: float = Field(
         30.0, gt=0, description="Seconds an adapter load/unload, model list or health call may take; also how "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import httpx
 
-from graft.rollout.engine import BadRequestError, EngineError, EngineUnavailableError
+from graft.rollout.engine import BadRequestError, EngineError, EngineHealth, EngineUnavailableError
+
+T = TypeVar("T")
 
 
 def server_message(text: str) -> str:
@@ -102,3 +104,30 @@ def error_class_for_status(status: int) -> type[EngineError]:
     if 400 <= status < 500:
         return BadRequestError
     return EngineError
+
+
+async def answer_while_alive(call: Awaitable[T], health: Callable[[], Awaitable[EngineHealth]], *, every_s: float,
+                             address: str) -> T:
+    """`call`'s answer; while it is unanswered, the server's `health()` is asked every `every_s`.
+
+    A generation on a live server may take as long as its request timeout (one step of 64 x 256
+    tokens at the Qwen2.5-0.5B shape took minutes on one vLLM-CPU thread); a frozen or dead
+    server fails it within `every_s` + one health call instead.
+
+    Raises:
+        EngineUnavailableError: the health check failed while `call` was unanswered (`call` is cancelled).
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            status = await health()
+            if not status.healthy:
+                raise EngineUnavailableError(f"no answer to a generation for {every_s:g} s, then the health "
+                                             f"check failed: {status.detail}", address=address)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -14,11 +14,12 @@ Retry policy (`graft.rollout.http_util.send`, shared with the SGLang client): on
 connect is retried, `connect_retries` times with exponential backoff; a timeout, a connection lost
 after sending and every HTTP error status are raised at once.
 
-Timeouts: a generation may legitimately take minutes, so it has its own `request_timeout_s`; so do
-the calls that wait for generations or read a whole model (`/pause?mode=wait`, the weight reload).
-Every other call (adapters, model list, health, cache reset, resume) answers in well under a
-second on a serving server, so `control_timeout_s` can be short and a frozen server is noticed
-within it.
+Timeouts: a generation may legitimately take many minutes, so it has its own `request_timeout_s`
+(a ceiling); so do the calls that wait for generations or read a whole model (`/pause?mode=wait`,
+the weight reload). Every other call (adapters, model list, health, cache reset, resume) answers in
+well under a second on a serving server, so `control_timeout_s` can be short and a frozen server is
+noticed within it; a generation unanswered for `control_timeout_s` has the server's health checked
+(`answer_while_alive`), so a frozen server fails it within twice that, not at the ceiling.
 
 Authentication: with `api_key`, every call carries `Authorization: Bearer <key>`, which vLLM
 checks on /v1/* when started with `--api-key` or with VLLM_API_KEY in its environment.
@@ -41,6 +42,7 @@ from graft.rollout.engine import (
     UnknownAdapterError,
 )
 from graft.rollout.http_util import (
+    answer_while_alive,
     auth_headers,
     error_class_for_status,
     gather_cancel_on_error,
@@ -129,7 +131,7 @@ class VllmClient:
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, max_concurrency: int = 64,
-                 request_timeout_s: float = 300, control_timeout_s: float = 30, connect_retries: int = 3,
+                 request_timeout_s: float = 1800, control_timeout_s: float = 30, connect_retries: int = 3,
                  retry_backoff_s: float = 0.5, api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         if max_concurrency < 1 or connect_retries < 0:
@@ -192,8 +194,9 @@ class VllmClient:
 
         async def one(request: GenerateRequest) -> list[Completion]:
             async with self._semaphore:
-                response = await self._call("POST", "/v1/completions", long=True,
-                                            json=completion_payload(request, model))
+                response = await answer_while_alive(
+                    self._call("POST", "/v1/completions", long=True, json=completion_payload(request, model)),
+                    self.health, every_s=self._control_timeout_s, address=self.address)
             return parse_completions(response.json(), request.params.n, self.address)
 
         return await gather_cancel_on_error(one(r) for r in requests)

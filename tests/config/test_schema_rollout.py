@@ -7,7 +7,7 @@ from graft.config import ConfigError, config_to_yaml, load_config
 
 def test_failover_and_timeout_defaults():
     rollout = load_config().rollout
-    assert (rollout.min_engines, rollout.request_timeout_s, rollout.control_timeout_s) == (1, 300.0, 30.0)
+    assert (rollout.min_engines, rollout.request_timeout_s, rollout.control_timeout_s) == (1, 1800.0, 30.0)
     assert rollout.api_key is None and rollout.api_key_env == "VLLM_API_KEY"
 
 

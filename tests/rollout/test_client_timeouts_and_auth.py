@@ -103,3 +103,44 @@ def test_a_server_that_never_answers_fails_a_control_call_within_the_control_tim
                 return time.monotonic() - start
 
         assert asyncio.run(run()) < 0.5 + 2.0  # the control timeout, plus slack; not the 300 s
+
+
+def _slow_generation(seconds: float, health: list[float]):
+    """A vLLM whose /v1/completions answers after `seconds`; /health answers at once (and is logged)."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            health.append(time.monotonic())
+        if request.url.path == "/v1/completions":
+            await asyncio.sleep(seconds)
+        return _answer(request)
+    return handler
+
+
+def test_a_generation_longer_than_the_control_timeout_runs_on_while_the_server_is_healthy():
+    health: list[float] = []
+
+    async def run():
+        async with VllmClient("http://vllm.test", model="m", control_timeout_s=0.2, request_timeout_s=30,
+                              transport=httpx.MockTransport(_slow_generation(1.0, health))) as client:
+            return await client.generate([GenerateRequest((1, 2), SamplingParams(max_new_tokens=1))])
+
+    assert asyncio.run(run())[0][0].token_ids == (3,)
+    assert len(health) >= 3  # checked every 0.2 s while the answer took 1 s
+
+
+def test_a_frozen_server_fails_a_generation_within_twice_the_control_timeout():
+    """The listening socket nobody reads (a SIGSTOPped server): the generation's own timeout is 300 s."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+        async def run():
+            async with VllmClient(url, model="m", control_timeout_s=0.5, request_timeout_s=300) as client:
+                start = time.monotonic()
+                with pytest.raises(EngineUnavailableError, match=r"no answer to a generation for 0.5 s, then the "
+                                                                 r"health check failed: .*GET /health: no answer"):
+                    await client.generate([GenerateRequest((1, 2), SamplingParams(max_new_tokens=1))])
+                return time.monotonic() - start
+
+        assert asyncio.run(run()) < 2 * 0.5 + 2.0
