@@ -25,7 +25,7 @@ QUICKSTART_SETTINGS = [
     "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=1",
     "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
     "train.steps=300", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
-    "train.tis_cap=2.0",
+    "train.tis_cap=2.0", "train.activation_checkpointing=false",
     "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=25",
     "data.task=arithmetic", "data.reward=exact_numeric",
 ]

@@ -70,7 +70,7 @@ def _rank_main(rank: int, model_dir, out_dir, init_file, n_prompts, group, overr
     # a token budget of 12 padded tokens: ranks end up with different micro-batch counts (equalized)
     (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3"]),
     (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
-    (3, 2, ["train.activation_checkpointing=true", "train.max_tokens_per_micro_batch=16"]),
+    (3, 2, ["train.activation_checkpointing=false", "train.max_tokens_per_micro_batch=16"]),
 ])
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
     model_dir = tiny_model_dirs["qwen2"]
@@ -148,7 +148,8 @@ def test_token_budget_micro_batches_update_like_one_batch(tiny_model_dirs):
 def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):
     """Per-layer activation checkpointing: the same metrics and LoRA weights (<= 1e-6), KL, entropy
     bonus and TIS on."""
-    _assert_same_updates(tiny_model_dirs["qwen2"], [], ["train.activation_checkpointing=true"], tol=1e-6)
+    _assert_same_updates(tiny_model_dirs["qwen2"], ["train.activation_checkpointing=false"],
+                         ["train.activation_checkpointing=true"], tol=1e-6)
 
 
 def test_activation_checkpointing_keeps_less_for_the_backward_and_recomputes_it(tiny_model_dirs):
