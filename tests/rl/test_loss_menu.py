@@ -52,10 +52,10 @@ def _reference_and_grad(per_token_loss, logprobs_BT, mask_BT, aggregate):
 # seq-mean-token-sum = (l * mask).sum(-1).mean().
 NORM_TOKENS = 9
 TRL_AGGREGATIONS = {
-    "seq-mean-token-mean": lambda l, m: ((l * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
-    "token-mean": lambda l, m: (l * m).sum() / m.sum().clamp(min=1.0),
-    "seq-mean-token-sum-norm": lambda l, m: (l * m).sum() / (l.size(0) * NORM_TOKENS),
-    "seq-mean-token-sum": lambda l, m: (l * m).sum(-1).mean(),
+    "seq-mean-token-mean": lambda x, m: ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
+    "token-mean": lambda x, m: (x * m).sum() / m.sum().clamp(min=1.0),
+    "seq-mean-token-sum-norm": lambda x, m: (x * m).sum() / (x.size(0) * NORM_TOKENS),
+    "seq-mean-token-sum": lambda x, m: (x * m).sum(-1).mean(),
 }
 
 
