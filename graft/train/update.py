@@ -155,8 +155,9 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
 
     The "old" policy is the one before the update: with a single step the ratio is 1 throughout.
     With `train.tis_cap` the loss is weighted by truncated importance weights
-    `min(exp(old - engine), cap)`: the correction for samples from a stale version or an engine
-    whose numerics differ. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
+    `min(exp(old - engine), cap)` (or masked, per `train.tis_mode`; `mismatch_weights`): the
+    correction for samples from a stale version or an engine whose numerics differ; `mismatch_kl`
+    measures that gap every step. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     """
     start = time.perf_counter()
