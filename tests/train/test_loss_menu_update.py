@@ -27,6 +27,14 @@ _MENU = ["train.ratio_level=sequence", "train.clip_eps_high=0.28", "train.dual_c
          "train.kl_estimator=k3-clamped", "train.kl_bias_correction=true", "train.tis_mode=sequence-mask",
          "train.adv_baseline=leave-one-out", "train.normalize_adv_std=false"]
 _METRICS = (*_COMPARED, "tis_weight_mean", "tis_capped_fraction", "mismatch_kl")
+# The test batches' engine log-probs (-1.0) sit far above the tiny model's (about -6): engine ratios
+# are about 0.0025, so caps there mask part of the tokens and rows, not none or all (measured 0.4-0.8
+# of the tokens with SEQ_CAP, 0.03-0.3 with TOKEN_CAP).
+SEQ_CAP, TOKEN_CAP = "train.tis_cap=0.0025", "train.tis_cap=0.003"
+
+
+def _some_masked(metrics: list[dict]) -> bool:
+    return any(0 < m["tis_capped_fraction"] < 1 for m in metrics)
 
 
 def _assert_close_updates(run_a, run_b, tol: float) -> None:
@@ -39,8 +47,8 @@ def _assert_close_updates(run_a, run_b, tol: float) -> None:
 
 
 @pytest.mark.parametrize("overrides", [[f"train.loss_agg={agg}"] for agg in sorted(AGGREGATIONS)]
-                         + [["train.loss_agg=seq-mean-token-sum-norm", "train.loss_norm_tokens=7", *_MENU],
-                            ["train.tis_mode=token-mask", "train.kl_estimator=k2", "train.clip_eps_low=0.1"]],
+                         + [["train.loss_agg=seq-mean-token-sum-norm", "train.loss_norm_tokens=7", *_MENU, SEQ_CAP],
+                            ["train.tis_mode=token-mask", "train.kl_estimator=k2", "train.clip_eps_low=0.1", TOKEN_CAP]],
                          ids=[*sorted(AGGREGATIONS), "menu", "token-mask-k2"])
 def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
     """One row per micro-batch gives the metrics and LoRA weights of one micro-batch (<= 1e-5)."""
@@ -48,12 +56,13 @@ def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
     whole = _updates(model_dir, Dist(), 4, 3, [*_BASE, *overrides, "train.max_tokens_per_micro_batch="])
     split = _updates(model_dir, Dist(), 4, 3, [*_BASE, *overrides, "train.micro_batch_size=1"])
     _assert_close_updates(whole, split, tol=1e-5)
+    assert _some_masked(whole[0]) == any("mask" in o for o in overrides)
 
 
 @pytest.mark.parametrize("n_prompts, group, overrides", [
     (3, 3, ["train.loss_agg=seq-mean-token-sum"]),
     (3, 3, ["train.loss_agg=seq-mean-token-sum-norm", "train.micro_batch_size=2"]),
-    (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", "train.tis_cap=1.5"]),
+    (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", SEQ_CAP]),
 ])
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
     """FSDP2 over 2 CPU ranks: the losses, metrics and LoRA weights of one process (<= 1e-5)."""
@@ -70,6 +79,7 @@ def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, 
                safetensors.torch.load_file(tmp_path / "lora.safetensors"))
     assert all(m["grad_norm"] > 0 for m in single[0])
     _assert_close_updates(single, sharded, tol=1e-5)
+    assert _some_masked(single[0]) == (SEQ_CAP in overrides)
 
 
 def test_each_key_reaches_the_loss(tiny_model_dirs, monkeypatch):
@@ -103,10 +113,10 @@ def test_each_key_reaches_the_loss(tiny_model_dirs, monkeypatch):
 def test_mismatch_metrics_every_step(tiny_model_dirs):
     """Without any correction the mismatch is still measured; the sequence mask drops whole rows."""
     model_dir = tiny_model_dirs["qwen2"]
-    off, _ = _updates(model_dir, Dist(), 2, 2, ["train.tis_cap="])
-    masked, _ = _updates(model_dir, Dist(), 2, 2, ["train.tis_cap=1.5", "train.tis_mode=sequence-mask"])
+    off, _ = _updates(model_dir, Dist(), 2, 3, ["train.tis_cap="])
+    masked, _ = _updates(model_dir, Dist(), 2, 3, [SEQ_CAP, "train.tis_mode=sequence-mask"])
     for m in off:
         assert m["mismatch_kl"] > 0 and m["tis_weight_mean"] == 1.0 and m["tis_capped_fraction"] == 0.0
-    for m, o in zip(masked, off):
-        assert 0 <= m["tis_capped_fraction"] <= 1 and m["tis_weight_mean"] <= 1.5
+    assert 0 < masked[0]["tis_capped_fraction"] < 1  # some whole rows dropped, the others kept
+    assert all(m["tis_weight_mean"] <= 0.0025 for m in masked)
     assert masked[0]["mismatch_kl"] == pytest.approx(off[0]["mismatch_kl"])  # before any step: the same model
