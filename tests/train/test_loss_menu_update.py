@@ -48,7 +48,8 @@ def _assert_close_updates(run_a, run_b, tol: float) -> None:
 
 @pytest.mark.parametrize("overrides", [[f"train.loss_agg={agg}"] for agg in sorted(AGGREGATIONS)]
                          + [["train.loss_agg=seq-mean-token-sum-norm", "train.loss_norm_tokens=7", *_MENU, SEQ_CAP],
-                            ["train.tis_mode=token-mask", "train.kl_estimator=k2", "train.clip_eps_low=0.1", TOKEN_CAP]],
+                            ["train.tis_mode=token-mask", "train.kl_estimator=k2", "train.clip_eps_low=0.1",
+                             TOKEN_CAP]],
                          ids=[*sorted(AGGREGATIONS), "menu", "token-mask-k2"])
 def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
     """One row per micro-batch gives the metrics and LoRA weights of one micro-batch (<= 1e-5)."""
