@@ -25,6 +25,7 @@ from graft.config.base import (
     is_loopback_url,
     module_list,
 )
+from graft.config.objective import ObjectiveFields
 
 
 class ModelConfig(Section):
@@ -211,7 +212,7 @@ class SyncConfig(Section):
         return max_staleness + 2 if self.keep_versions == "auto" else self.keep_versions
 
 
-class TrainConfig(Section):
+class TrainConfig(ObjectiveFields):
     steps: int = Field(20, ge=1, description="Optimizer steps (one rollout batch each).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per step; each gets rollout.n_samples completions.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the LoRA parameters.")
@@ -219,9 +220,10 @@ class TrainConfig(Section):
                          "forward pass; metrics report kl as null).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range epsilon.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
-        "token-mean", description="How per-token losses are averaged into the batch loss."
-    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become the batch loss: token-mean (all tokens of the batch), "
+        "seq-mean-token-mean (each completion's mean, GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (token "
+        "sums over a constant length, Dr. GRPO; see loss_norm_tokens).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and LoRA init.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     normalize_adv_std: bool = Field(
@@ -327,6 +329,13 @@ class GraftConfig(Section):
         if rollout.engine == "vllm" and not rollout.urls and not rollout.launch:
             raise ConfigError("rollout.urls is empty and rollout.launch is false: no vLLM server to talk to",
                               keys=("rollout.urls", "rollout.launch"))
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_loss_norm_tokens(self) -> "GraftConfig":
+        """Dr. GRPO's constant length defaults to the longest completion a rollout can give."""
+        if self.train.loss_agg == "seq-mean-token-sum-norm" and self.train.loss_norm_tokens is None:
+            self.train.loss_norm_tokens = self.rollout.max_new_tokens
         return self
 
     @model_validator(mode="after")

@@ -21,8 +21,9 @@ from torch import nn
 from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
+from graft.rl.importance import mismatch_weights
 from graft.rl.logprobs import teacher_forced_logprobs
-from graft.rl.losses import AGGREGATION_DIVISORS, grpo_loss, truncated_importance_weights
+from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
 from graft.rl.packing import pad
 from graft.train.distributed import Dist, full_tensor
 from graft.train.rollout_batch import RolloutBatch
@@ -33,7 +34,8 @@ class NonFiniteUpdateError(ValueError):
 
 
 # Token-weighted statistics, summed over micro-batches and ranks, then divided by the token count.
-_TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean")
+_TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean", "tis_capped_fraction",
+                "mismatch_kl")
 
 
 def _padded_on_device(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int):
@@ -153,14 +155,16 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
 
     The "old" policy is the one before the update: with a single step the ratio is 1 throughout.
     With `train.tis_cap` the loss is weighted by truncated importance weights
-    `min(exp(old - engine), cap)`: the correction for samples from a stale version or an engine
-    whose numerics differ. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
+    `min(exp(old - engine), cap)` (or masked, per `train.tis_mode`; `mismatch_weights`): the
+    correction for samples from a stale version or an engine whose numerics differ; `mismatch_kl`
+    measures that gap every step. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     """
     start = time.perf_counter()
     model.train()
     n_prompts, group = batch.rewards_PG.shape
-    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std).flatten()
+    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
+                                  baseline=train.adv_baseline).flatten()
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
@@ -173,7 +177,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
         for mini, micros in zip(minis, plan):
-            divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini])
+            divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini], train.loss_norm_tokens)
             loss_sum = 0.0
             for part, weight in micros:
                 loss, stats = _micro_batch_loss(model, batch, part, advantages, train, pad_id, divisor, cache,
@@ -223,14 +227,13 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
     else:
         old_BT = cache.padded(cache.old, rows, mask_BT)
     ref_BT = cache.padded(cache.ref, rows, mask_BT) if train.kl_coef else None
-    tis_BT = None
-    if train.tis_cap:
-        tis_BT = truncated_importance_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), train.tis_cap)
+    tis_BT, mismatch = mismatch_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), mask_BT, train.tis_mode,
+                                        train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
     entropy_BT = entropy_BT if train.entropy_coef else entropy_BT.detach()
     loss, stats = grpo_loss(logprobs_BT, old_BT, ref_BT, advantages[rows], mask_BT,
                             clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BT,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BT,
-                            divisor=divisor)
-    stats["tis_weight_mean"] = tis_BT[mask_BT].mean().item() if tis_BT is not None and mask_BT.any() else 1.0
+                            divisor=divisor, options=LossOptions.from_config(train))
+    stats.update(mismatch)
     return loss, stats

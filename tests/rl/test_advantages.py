@@ -88,3 +88,26 @@ def test_sample_std_keeps_constant_groups_and_groups_of_one_at_zero():
 def test_unknown_std_estimator_raises():
     with pytest.raises(ValueError, match=r"unknown std estimator 'bessel'.*'population', 'sample'"):
         group_advantages(torch.tensor([[1.0, 2.0]]), std="bessel")
+
+
+def test_leave_one_out_baseline_is_the_mean_of_the_other_rewards():
+    """RLOO (Ahmadian et al. 2024, eq. 6; verl compute_rloo_outcome_advantage):
+    ``A_i = r_i - 1/(G-1) * sum_{j != i} r_j``, written out here reward by reward."""
+    gen = torch.Generator().manual_seed(0)
+    rewards_PG = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    expected_PG = torch.empty_like(rewards_PG)
+    for p in range(5):
+        for i in range(4):
+            others = [rewards_PG[p, j] for j in range(4) if j != i]
+            expected_PG[p, i] = rewards_PG[p, i] - sum(others) / 3
+    loo_PG = group_advantages(rewards_PG, normalize_std=False, baseline="leave-one-out")
+    torch.testing.assert_close(loo_PG, expected_PG)
+    # With the std: the same centred rewards over the group's std.
+    std_P1 = rewards_PG.std(dim=1, keepdim=True, correction=0)
+    torch.testing.assert_close(group_advantages(rewards_PG, eps=0.0, baseline="leave-one-out"), expected_PG / std_P1)
+    # Constant groups and groups of one carry no signal: exact zeros, as with the mean baseline.
+    flat_PG = torch.tensor([[2.0, 2.0, 2.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(group_advantages(flat_PG, normalize_std=False, baseline="leave-one-out")[0], torch.zeros(3))
+    assert torch.equal(group_advantages(torch.tensor([[3.0]]), baseline="leave-one-out"), torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="leave-one-out"):
+        group_advantages(flat_PG, baseline="loo")

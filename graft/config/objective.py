@@ -1,0 +1,66 @@
+"""The RL objective's variants in `train`: ratio level, clipping, KL estimator, mismatch correction,
+advantage baseline. Each name is a registered variant in `graft.rl` (README's objective table says
+what each does and which TRL/verl setting it corresponds to). The defaults are plain GRPO: none of
+these keys changes a run that leaves them out.
+
+`TrainConfig` inherits these fields, so they are set as `train.<key>`.
+"""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from graft.config.base import ConfigError, Section
+
+
+class ObjectiveFields(Section):
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="Level of the PPO importance ratio to the old policy: 'token' (PPO/GRPO, each token's "
+        "ratio) or 'sequence' (GSPO: exp of the mean token log-ratio of the completion, one ratio per completion, "
+        "clipped as a whole; TRL importance_sampling_level=sequence, verl policy_loss.loss_mode=gspo).")
+    clip_eps_low: float | None = Field(
+        None, gt=0, lt=1, description="Lower clip range: the ratio is clipped below at 1 - clip_eps_low; null = "
+        "clip_eps (TRL epsilon, verl clip_ratio_low).")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip range: the ratio is clipped above at 1 + clip_eps_high; null = clip_eps. "
+        "DAPO's clip-higher raises it (0.28 with clip_eps 0.2) so unlikely tokens can grow (TRL epsilon_high, "
+        "verl clip_ratio_high).")
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="Dual-clip PPO: for negative advantages the per-token loss is capped at -c * A, so "
+        "a ratio far above 1 cannot blow it up; null = off (verl clip_ratio_c, 3.0 there).")
+    kl_estimator: Literal["k1", "k2", "k3", "k3-clamped"] = Field(
+        "k3", description="Estimator of the per-token KL to the frozen base when kl_coef > 0: k1 = logp - ref, "
+        "k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1, k3-clamped = k3 bounded to [-10, 10] "
+        "(verl kl_loss_type k1 / k2 / k3 / low_var_kl; TRL uses k3).")
+    kl_bias_correction: bool = Field(
+        False, description="Multiply the KL term by the ratio to the old policy, which sampled the tokens "
+        "(TRL use_bias_correction_kl); matters with several optimizer steps per batch. Needs kl_coef > 0.")
+    loss_norm_tokens: int | None = Field(
+        None, ge=1, description="The constant length of loss_agg=seq-mean-token-sum-norm (Dr. GRPO divides each "
+        "completion's token sum by it); null = rollout.max_new_tokens.")
+    tis_mode: Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = Field(
+        "token-truncate", description="How tis_cap corrects engine samples: the ratio exp(trainer - engine) of a "
+        "token, or of a sequence (geometric mean over its tokens), is truncated at the cap or, over the cap, "
+        "masked out of the policy loss (TRL vllm_importance_sampling_mode, whose sequence ratio is the product). "
+        "Needs tis_cap.")
+    adv_baseline: Literal["mean", "leave-one-out"] = Field(
+        "mean", description="Baseline subtracted from each reward: the group mean (GRPO) or the mean of the other "
+        "completions of the prompt (RLOO; G/(G-1) times the centred reward; verl adv_estimator=rloo). Combine "
+        "leave-one-out with normalize_adv_std false for RLOO proper.")
+
+    @model_validator(mode="after")
+    def _check_objective_combinations(self) -> "ObjectiveFields":
+        """A variant whose switch is off would be silently ignored: refuse it, naming both keys. (The
+        switches, tis_cap, kl_coef and loss_agg, are `TrainConfig`'s own fields.)"""
+        # Checked against the defaults, not the keys set: a saved config spells out every default.
+        if self.tis_mode != "token-truncate" and self.tis_cap is None:
+            raise ConfigError(f"train.tis_mode ({self.tis_mode!r}) has no effect while train.tis_cap is null: "
+                              "set train.tis_cap (e.g. 2.0)", keys=("train.tis_mode", "train.tis_cap"))
+        for key, default in (("kl_estimator", "k3"), ("kl_bias_correction", False)):
+            if getattr(self, key) != default and not self.kl_coef:
+                raise ConfigError(f"train.{key} has no effect while train.kl_coef is 0 (no KL term): set "
+                                  "train.kl_coef > 0", keys=(f"train.{key}", "train.kl_coef"))
+        if self.loss_norm_tokens is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise ConfigError(f"train.loss_norm_tokens is only used by train.loss_agg=seq-mean-token-sum-norm "
+                              f"(got {self.loss_agg!r})", keys=("train.loss_norm_tokens", "train.loss_agg"))
+        return self

@@ -1,0 +1,90 @@
+"""Loss aggregations: how per-token losses become the batch loss, each with its whole-batch divisor.
+
+Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. ``mask_BT`` is True at the tokens that
+count; masked positions are selected out with ``torch.where`` (padding may hold inf or NaN).
+
+Every aggregation is ``sum over the batch of per-row terms / divisor``. A batch split over ranks and
+micro-batches passes each part the whole batch's divisor (``AGGREGATION_DIVISORS[name](lengths)``),
+so the parts' losses and gradients add up to exactly those of the whole.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# (values_BT, mask_BT, divisor, norm_tokens) -> scalar; divisor None = this batch is the whole.
+Aggregation = Callable[..., Tensor]
+
+
+def _token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
+                norm_tokens: int | None = None) -> Tensor:
+    """Mean over all valid tokens of the batch: long sequences weigh more (DAPO's token-level loss)."""
+    count = mask_BT.sum().clamp(min=1) if divisor is None else divisor
+    return torch.where(mask_BT, values_BT, 0.0).sum() / count
+
+
+def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
+                         norm_tokens: int | None = None) -> Tensor:
+    """Mean over the valid tokens of each sequence, then over the sequences (all B rows)."""
+    per_seq_B = torch.where(mask_BT, values_BT, 0.0).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return per_seq_B.sum() / (per_seq_B.numel() if divisor is None else divisor)
+
+
+def _seq_mean_token_sum(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
+                        norm_tokens: int | None = None) -> Tensor:
+    """Sum over the valid tokens of each sequence, mean over the sequences: a sequence's weight grows
+    with its length, and the loss scale with the lengths too."""
+    per_seq_B = torch.where(mask_BT, values_BT, 0.0).sum(dim=-1)
+    return per_seq_B.sum() / (per_seq_B.numel() if divisor is None else divisor)
+
+
+def _seq_mean_token_sum_norm(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
+                             norm_tokens: int | None = None) -> Tensor:
+    """Dr. GRPO: token sums over ``B x norm_tokens``, a constant length, so neither a sequence's length
+    nor the batch's token count rescales its tokens' gradient. ``norm_tokens`` None = the longest
+    sequence of the batch (then the scale is no longer constant across batches)."""
+    per_seq_B = torch.where(mask_BT, values_BT, 0.0).sum(dim=-1)
+    if divisor is None:
+        longest = int(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1
+        divisor = per_seq_B.numel() * max(1, norm_tokens or longest)
+    return per_seq_B.sum() / divisor
+
+
+def _count_tokens(lengths: list[int], norm_tokens: int | None = None) -> float:
+    return float(max(1, sum(lengths)))
+
+
+def _count_sequences(lengths: list[int], norm_tokens: int | None = None) -> float:
+    return float(max(1, len(lengths)))
+
+
+def _count_sequences_times_norm(lengths: list[int], norm_tokens: int | None = None) -> float:
+    return float(max(1, len(lengths)) * max(1, norm_tokens or max(lengths, default=1)))
+
+
+# Loss aggregations by name, and the divisor of each for a whole batch of completion ``lengths``.
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+AGGREGATION_DIVISORS: dict[str, Callable[..., float]] = {
+    "token-mean": _count_tokens,
+    "seq-mean-token-mean": _count_sequences,
+    "seq-mean-token-sum": _count_sequences,
+    "seq-mean-token-sum-norm": _count_sequences_times_norm,
+}
+
+
+def get_aggregation(name: str) -> Aggregation:
+    """Looks up ``AGGREGATIONS[name]``.
+
+    Raises:
+        ValueError: If ``name`` is not registered; the message lists the registered names.
+    """
+    try:
+        return AGGREGATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown loss aggregation {name!r}; registered: {sorted(AGGREGATIONS)}") from None
