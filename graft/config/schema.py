@@ -247,9 +247,15 @@ class TrainConfig(Section):
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
         "forward of each layer.")
     max_tokens_per_micro_batch: int | None = Field(
-        8192, ge=1, description="Padded tokens (rows x longest sequence) per forward/backward on one rank; "
-        "gradients accumulate over micro-batches, the loss divisor stays the whole mini-batch's, so this changes "
-        "memory, not results (as verl's ppo_max_token_len_per_gpu). null = no token limit.")
+        8192, ge=1, description="Tokens per forward/backward on one rank: real tokens when pack_sequences, padded "
+        "tokens (rows x longest sequence) otherwise; gradients accumulate over micro-batches, the loss divisor stays "
+        "the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
+        "null = no token limit.")
+    pack_sequences: bool = Field(
+        True, description="Lay each micro-batch out packed: its sequences back to back in one row, position ids "
+        "restarting per sequence, attention kept inside each sequence (transformers builds the block-diagonal "
+        "mask from the restarts: a bool [N, N] mask with sdpa/eager, varlen with flash-attention), no padding "
+        "tokens computed. false = right-padded rows. Same results either way; see docs/benchmarks.md.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

@@ -83,7 +83,7 @@ def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entr
 
 def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor | None = None, *,
                             positions_K: Tensor | None = None, with_entropy: bool = False,
-                            chunk_tokens: int | None = None) -> TeacherForced:
+                            chunk_tokens: int | None = None, position_ids_BT: Tensor | None = None) -> TeacherForced:
     """One forward of ``model`` over ``input_ids_BT``, scoring each position's next token.
 
     The LM head runs only at ``positions_K`` (e.g. those that predict a completion token), in chunks
@@ -100,6 +100,11 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
         positions_K: Increasing positions to score; None = every position but the last.
         with_entropy: Also compute each scored position's entropy.
         chunk_tokens: Positions per LM-head chunk; None = ``DEFAULT_CHUNK_ELEMENTS // vocab``.
+        position_ids_BT: For packed rows (``graft.rl.packing.pack``): positions restarting at 0 per
+            sequence, with ``attention_mask_BT`` None. No KV cache is built (``use_cache=False``), so
+            transformers reads the restarts as sequence boundaries and keeps attention inside each
+            sequence (a block-diagonal mask for sdpa/eager, varlen for flash-attention); with a cache
+            it would not, and tokens would attend to the sequences packed before them.
     """
     t = input_ids_BT.shape[1]
     if positions_K is None:
@@ -108,8 +113,8 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
     head = model.get_output_embeddings()
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // head.weight.shape[0])
     with _head_forward_replaced(head, _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy)):
-        scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False,
-                           logits_to_keep=positions_K).logits
+        scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
+                           use_cache=False, logits_to_keep=positions_K).logits
     logprobs_BT = input_ids_BT.new_zeros(input_ids_BT.shape, dtype=torch.float32)
     entropy_BT = torch.zeros_like(logprobs_BT)
     logprobs_BT = logprobs_BT.index_copy(1, positions_K, scores_BK2[..., 0])
