@@ -127,11 +127,12 @@ def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy
            ) -> tuple[Tensor, Tensor]:
     """`(logprobs_BC, entropy_BC)`: each sequence's completion-token log-probs (and entropies) as
     one row, whatever the layout. The LM head runs only at the positions that predict a completion
-    token (padded: of any row, the column set is shared)."""
+    token (padded rows too: the columns are shared, the head skips other rows' positions)."""
     positions_K = micro.completion_mask_xT.any(dim=0).nonzero()[:, 0]
     logprobs_xT, entropy_xT = teacher_forced_logprobs(
         model, micro.input_ids_xT, micro.attention_mask_xT, positions_K=positions_K, with_entropy=with_entropy,
-        chunk_tokens=train.logit_chunk_tokens, position_ids_BT=micro.position_ids_xT)
+        chunk_tokens=train.logit_chunk_tokens, position_ids_BT=micro.position_ids_xT,
+        score_mask_BT=micro.completion_mask_xT)
     lens = micro.completion_lens
     return (completion_rows(logprobs_xT, micro.completion_mask_xT, lens),
             completion_rows(entropy_xT, micro.completion_mask_xT, lens))

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM
 from graft.rl.logprobs import token_logprobs_and_entropy
 from graft.rl.packing import (
     block_diagonal_mask,
+    completion_rows,
+    completion_rows_mask,
     next_token_targets,
     pack,
     pad,
@@ -95,6 +97,42 @@ def test_all_layouts_match_direct_computation():
         _assert_same(_packed(model, sequences), expected)
         _assert_same(_padded(model, sequences, "left", pad_id), expected)
         _assert_same(_padded(model, sequences, "right", pad_id), expected)
+
+
+def _rows_of(model, sequences, layout: str, pad_id: int):
+    """``completion_rows`` of a packed row or a padded batch, back to a list of sequences."""
+    if layout == "packed":
+        packed = pack(sequences)
+        ids_xT, positions_xT, mask_xT = packed.input_ids_N[None], packed.position_ids_N[None], packed.completion_mask_N[None]
+    else:
+        ids_xT, attention_xT, mask_xT = pad(sequences, layout, pad_id)
+        positions_xT = position_ids_from_mask(attention_xT)
+    lens = [len(c) for _, c in sequences]
+    rows_BC = completion_rows(token_logprobs(model(ids_xT, positions_xT), next_token_targets(ids_xT)), mask_xT, lens)
+    mask_BC = completion_rows_mask(lens)
+    assert rows_BC.shape == (len(sequences), max(lens)) and (rows_BC[~mask_BC] == 0).all()
+    return [row_C[:n] for row_C, n in zip(rows_BC, lens)]
+
+
+def test_completion_rows_match_direct_computation_in_every_layout():
+    """The one map back to sequences (used by the update for packed and padded micro-batches)."""
+    model = FakeLM()
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        sequences = _random_sequences(g)
+        pad_id = int(torch.randint(0, VOCAB, (1,), generator=g))
+        expected = _direct(model, sequences)
+        for layout in ("packed", "left", "right"):
+            _assert_same(_rows_of(model, sequences, layout, pad_id), expected)
+
+
+def test_completion_rows_refuse_lengths_that_do_not_match_the_mask():
+    packed = pack([([1, 2], [3, 4]), ([5], [6])])
+    values_1N = torch.zeros(1, len(packed.input_ids_N))
+    with pytest.raises(AssertionError, match="completion lengths"):
+        completion_rows(values_1N, packed.completion_mask_N[None], [2, 2])
+    with pytest.raises(AssertionError, match="layout"):
+        completion_rows(values_1N[:, 1:], packed.completion_mask_N[None], [2, 1])
 
 
 def test_the_check_catches_misalignment_and_wrong_positions():

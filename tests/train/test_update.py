@@ -136,9 +136,14 @@ def test_micro_batches_respect_the_token_budget_and_the_row_limit():
     lengths = [(3, 2), (2, 2), (6, 4), (1, 1), (4, 4), (2, 1)]  # sequence lengths 5, 4, 10, 2, 8, 3
     batch = RolloutBatch([([1] * p, [2] * c) for p, c in lengths], [[0.0] * c for _, c in lengths],
                          torch.zeros(2, 3), version=0, seconds=0.0)
-    config = load_config(None, ["train.max_tokens_per_micro_batch=16"])
+    config = load_config(None, ["train.max_tokens_per_micro_batch=16", "train.pack_sequences=false"])
     # in order, greedy: 2x5, 10 alone, 2x8, then 3 (3x8 would pass 16)
     assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3, 4], [5]]
+    # packed, the budget counts real tokens: 5+4 (+10 would pass 16), 10+2 (+8 would), 8+3
+    config = load_config(None, ["train.max_tokens_per_micro_batch=16", "train.pack_sequences=true"])
+    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
+    config = load_config(None, ["train.max_tokens_per_micro_batch=9", "train.pack_sequences=true"])
+    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3], [4], [5]]  # 10 > 9 alone
     config = load_config(None, ["train.max_tokens_per_micro_batch=100", "train.micro_batch_size=2"])
     assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=", "train.micro_batch_size="])
