@@ -96,6 +96,65 @@ def pack(sequences: list[Sequence]) -> Packed:
     )
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Sequences packed into ``R`` rows of ``L`` tokens: each row holds whole sequences back to back
+    (position ids restarting), its unused tail is a stand-in sequence of ``pad_id`` (position ids
+    restarting too, so nothing real attends to it) — see ``pack_rows``.
+
+    Attributes:
+        input_ids_RL, position_ids_RL, completion_mask_RL: As ``Packed``'s, one row each.
+        order: The sequences' indices in layout order (row-major): the order of ``completion_rows``.
+    """
+
+    input_ids_RL: Tensor
+    position_ids_RL: Tensor
+    completion_mask_RL: Tensor
+    order: list[int]
+
+
+def first_fit_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of at most ``row_tokens`` (at least the longest): first fit,
+    longest first; each row's indices in increasing order."""
+    row_tokens = max(row_tokens, *lengths)
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = next((r for r, f in enumerate(free) if lengths[i] <= f), None)
+        if fits is None:
+            rows.append([i])
+            free.append(row_tokens - lengths[i])
+        else:
+            rows[fits].append(i)
+            free[fits] -= lengths[i]
+    return [sorted(row) for row in rows]
+
+
+def pack_rows(sequences: list[Sequence], row_tokens: int, pad_id: int) -> PackedRows:
+    """Packs sequences into rows of at most ``max(row_tokens, longest sequence)`` tokens
+    (``first_fit_rows``); ``L`` is the fullest row's length.
+
+    With ``row_tokens`` the longest sequence, a packed batch never has more rows than a padded one,
+    nor longer ones: attention (and a block-diagonal mask, ``R x L x L``) costs at most padding's,
+    while short sequences share rows instead of computing padding.
+
+    Raises:
+        ValueError: If there are no sequences or a prompt is empty.
+    """
+    _check(sequences)
+    lengths = [len(p) + len(c) for p, c in sequences]
+    rows = first_fit_rows(lengths, row_tokens)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids, positions, masks = [], [], []
+    for row in rows:
+        packed = pack([sequences[i] for i in row])
+        tail = width - len(packed.input_ids_N)
+        ids.append(torch.cat([packed.input_ids_N, torch.full((tail,), pad_id, dtype=torch.long)]))
+        positions.append(torch.cat([packed.position_ids_N, torch.arange(tail)]))
+        masks.append(torch.cat([packed.completion_mask_N, torch.zeros(tail, dtype=torch.bool)]))
+    return PackedRows(torch.stack(ids), torch.stack(positions), torch.stack(masks), [i for row in rows for i in row])
+
+
 def unpack_completion_logprobs(values_N: Tensor, packed: Packed) -> list[Tensor]:
     """Each sequence's completion-token values, in order, from per-position values of a packed row.
 

@@ -5,14 +5,17 @@ tokens so far: the slowest rank sets the pace of every collective), then into mi
 most `train.max_tokens_per_micro_batch` tokens. Every rank runs the same number of micro-batches
 (FSDP2's collectives line up), padding its plan with zero-weight stand-ins.
 
-A micro-batch is laid out packed (`train.pack_sequences`: its sequences back to back in one row,
-position ids restarting per sequence, attention kept inside each sequence; the budget counts real
-tokens) or right-padded (rows x longest sequence; the budget counts padded tokens). Either way its
-scores come back as one row per sequence (`graft.rl.packing.completion_rows`), so the loss and the
-log-prob cache never see the layout.
+A micro-batch is laid out packed (`train.pack_sequences`: sequences back to back in rows as long
+as its longest sequence, position ids restarting per sequence, attention kept inside each sequence)
+or right-padded (one row per sequence). Rows no longer than the longest sequence keep attention
+and its block-diagonal mask (`R x L x L`) within padding's cost: one row of all 8192 tokens
+computed 1.6x the layers' CPU time of padding and kept an `[N, N]` float mask per layer for the
+backward (docs/benchmarks.md). Either way the scores come back as one row per sequence
+(`graft.rl.packing.completion_rows`), so the loss and the log-prob cache never see the layout.
 
 Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_N` packed tokens,
-`_xT` either layout (`[B, T]` or `[1, N]`), `_K` scored positions, `_C` completion tokens (longest).
+`_xT` either layout (`[B, T]` or `[R, L]`: R packed rows of L tokens), `_K` scored positions,
+`_C` completion tokens (longest).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import Tensor, nn
 
 from graft.config import TrainConfig
 from graft.rl.logprobs import teacher_forced_logprobs
-from graft.rl.packing import completion_rows, completion_rows_mask, pack, pad
+from graft.rl.packing import completion_rows, completion_rows_mask, first_fit_rows, pack_rows, pad
 from graft.train.rollout_batch import RolloutBatch
 
 Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
@@ -34,23 +37,30 @@ def _length(batch: RolloutBatch, row: int) -> int:
     return len(batch.sequences[row][0]) + len(batch.sequences[row][1])
 
 
+def _laid_out_tokens(lengths: list[int], packed: bool) -> int:
+    """Token positions the forward computes: rows x longest, rows packed (`first_fit_rows` into rows
+    as long as the longest sequence) or one per sequence (padded)."""
+    longest = max(lengths)
+    return longest * (len(first_fit_rows(lengths, longest)) if packed else len(lengths))
+
+
 def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
     """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
-    `train.max_tokens_per_micro_batch` tokens each — real tokens when packed, padded tokens (rows x
-    longest sequence) when padded; a row longer than the budget goes alone. Activation memory scales
-    with the tokens of one micro-batch."""
-    budget, size, packed = train.max_tokens_per_micro_batch, train.micro_batch_size, train.pack_sequences
+    `train.max_tokens_per_micro_batch` laid-out tokens each (`_laid_out_tokens`: padding counts, and
+    packing needs fewer rows); a row longer than the budget goes alone. Activation memory scales
+    with the laid-out tokens of one micro-batch."""
+    budget, size = train.max_tokens_per_micro_batch, train.micro_batch_size
     out: list[list[int]] = []
-    longest = total = 0
+    lengths: list[int] = []
     for r in rows:
-        length = _length(batch, r)
-        cost = total + length if packed else (len(out[-1]) + 1 if out else 1) * max(longest, length)
-        if out and (size is None or len(out[-1]) < size) and (budget is None or cost <= budget):
+        candidate = [*lengths, _length(batch, r)]
+        if out and (size is None or len(out[-1]) < size) and \
+                (budget is None or _laid_out_tokens(candidate, train.pack_sequences) <= budget):
             out[-1].append(r)
-            longest, total = max(longest, length), total + length
+            lengths = candidate
         else:
             out.append([r])
-            longest = total = length
+            lengths = candidate[-1:]
     return out
 
 
@@ -90,8 +100,8 @@ class MicroBatch:
     """One micro-batch's model inputs on the model's device, packed or padded.
 
     Attributes:
-        rows: Batch rows, in the order of the result rows of `scored`.
-        input_ids_xT: `[B, T]` right-padded or `[1, N]` packed.
+        rows: Batch rows, in the order of the result rows of `scored` (packed: layout order).
+        input_ids_xT: `[B, T]` right-padded or `[R, L]` packed rows.
         attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit).
         position_ids_xT: Restarting per sequence when packed; None when padded (HF's arange).
         completion_mask_xT: True where the next token is a completion token.
@@ -111,14 +121,17 @@ class MicroBatch:
 
 
 def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int, packed: bool) -> MicroBatch:
-    """`rows` as one packed row or a right-padded batch, on the model's device."""
+    """`rows` packed into rows as long as the longest sequence (`graft.rl.packing.pack_rows`; the
+    result's `rows` are then in layout order) or right-padded, on the model's device."""
     device = next(model.parameters()).device
     sequences = [batch.sequences[r] for r in rows]
-    mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
     if packed:
-        p = pack(sequences)
-        return MicroBatch(rows, p.input_ids_N[None].to(device), None, p.position_ids_N[None].to(device),
-                          p.completion_mask_N[None].to(device), mask_BC)
+        p = pack_rows(sequences, max(len(q) + len(c) for q, c in sequences), pad_id)
+        rows = [rows[i] for i in p.order]
+        mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
+        return MicroBatch(rows, p.input_ids_RL.to(device), None, p.position_ids_RL.to(device),
+                          p.completion_mask_RL.to(device), mask_BC)
+    mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
     input_ids_BT, attention_mask_BT, mask_BT = (t.to(device) for t in pad(sequences, "right", pad_id))
     return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC)
 

@@ -165,7 +165,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                       single_step: bool) -> tuple[torch.Tensor, dict]:
     """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     micro = lay_out(model, batch, rows, pad_id, train.pack_sequences)
-    mask_BC = micro.mask_BC
+    rows, mask_BC = micro.rows, micro.mask_BC  # in layout order: the order of the [B, C] results
     logprobs_BC, entropy_BC = scored(model, micro, train, with_entropy=True)
     if single_step:
         old_BC = logprobs_BC.detach()

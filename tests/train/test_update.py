@@ -139,11 +139,11 @@ def test_micro_batches_respect_the_token_budget_and_the_row_limit():
     config = load_config(None, ["train.max_tokens_per_micro_batch=16", "train.pack_sequences=false"])
     # in order, greedy: 2x5, 10 alone, 2x8, then 3 (3x8 would pass 16)
     assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3, 4], [5]]
-    # packed, the budget counts real tokens: 5+4 (+10 would pass 16), 10+2 (+8 would), 8+3
-    config = load_config(None, ["train.max_tokens_per_micro_batch=16", "train.pack_sequences=true"])
+    # packed, the budget counts packed rows x longest: 5 | 4 (2x5), then 10 | 5+4 (2x10) fits 20; 8 | 3+2 (2x8)
+    config = load_config(None, ["train.max_tokens_per_micro_batch=20", "train.pack_sequences=false"])
     assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
-    config = load_config(None, ["train.max_tokens_per_micro_batch=9", "train.pack_sequences=true"])
-    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3], [4], [5]]  # 10 > 9 alone
+    config = load_config(None, ["train.max_tokens_per_micro_batch=20", "train.pack_sequences=true"])
+    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1, 2], [3, 4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=100", "train.micro_batch_size=2"])
     assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=", "train.micro_batch_size="])
