@@ -252,10 +252,12 @@ class TrainConfig(Section):
         "the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
         "null = no token limit.")
     pack_sequences: bool = Field(
-        True, description="Lay each micro-batch out packed: its sequences back to back in one row, position ids "
-        "restarting per sequence, attention kept inside each sequence (transformers builds the block-diagonal "
-        "mask from the restarts: a bool [N, N] mask with sdpa/eager, varlen with flash-attention), no padding "
-        "tokens computed. false = right-padded rows. Same results either way; see docs/benchmarks.md.")
+        True, description="Lay each micro-batch out packed: sequences back to back in rows no longer than its "
+        "longest sequence (first fit, longest first), position ids restarting per sequence, attention kept inside "
+        "each sequence (transformers builds the block-diagonal mask from the restarts with sdpa/eager, varlen with "
+        "flash-attention). Short sequences share rows instead of computing padding; attention and its mask never "
+        "cost more than padding's. false = one right-padded row per sequence. Same results either way; see "
+        "docs/benchmarks.md.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

@@ -9,7 +9,7 @@ A micro-batch is laid out packed (`train.pack_sequences`: sequences back to back
 as its longest sequence, position ids restarting per sequence, attention kept inside each sequence)
 or right-padded (one row per sequence). Rows no longer than the longest sequence keep attention
 and its block-diagonal mask (`R x L x L`) within padding's cost: one row of all 8192 tokens
-computed 1.6x the layers' CPU time of padding and kept an `[N, N]` float mask per layer for the
+computed 1.5x the layers' CPU time of padding and kept an `[N, N]` float mask per layer for the
 backward (docs/benchmarks.md). Either way the scores come back as one row per sequence
 (`graft.rl.packing.completion_rows`), so the loss and the log-prob cache never see the layout.
 
