@@ -247,9 +247,9 @@ class TrainConfig(Section):
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
         "forward of each layer.")
     max_tokens_per_micro_batch: int | None = Field(
-        8192, ge=1, description="Tokens per forward/backward on one rank: real tokens when pack_sequences, padded "
-        "tokens (rows x longest sequence) otherwise; gradients accumulate over micro-batches, the loss divisor stays "
-        "the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
+        8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
+        "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "
+        "stays the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
         "null = no token limit.")
     pack_sequences: bool = Field(
         True, description="Lay each micro-batch out packed: sequences back to back in rows no longer than its "

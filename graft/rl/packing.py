@@ -2,7 +2,8 @@
 
 Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch rows, ``_T`` tokens
 per padded row, ``_xT`` either layout (``[B, T]`` padded or ``[1, N]`` packed), ``_C`` completion
-tokens of the longest completion (``completion_rows``: one sequence per row, whatever the layout). Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
+tokens of the longest completion (``completion_rows``: one sequence per row, whatever the layout).
+Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
 token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
 completion token, so with ``targets = next_token_targets(input_ids)`` and
 ``logprobs, _ = token_logprobs_and_entropy(logits, targets)`` the masked values are exactly the completion

@@ -86,7 +86,8 @@ def test_score_mask_and_packed_rows_equal_the_full_logits_formula(model, layout)
     params = [p for n, p in model.named_parameters() if ".lora_" in n]
 
     def rows_and_grads(logprobs_xT, entropy_xT, mask_xT):
-        logprobs_BC, entropy_BC = completion_rows(logprobs_xT, mask_xT, lens), completion_rows(entropy_xT, mask_xT, lens)
+        logprobs_BC = completion_rows(logprobs_xT, mask_xT, lens)
+        entropy_BC = completion_rows(entropy_xT, mask_xT, lens)
         grads = torch.autograd.grad((logprobs_BC * 0.7 - 0.01 * entropy_BC).sum(), params)
         return logprobs_BC, entropy_BC, grads
 

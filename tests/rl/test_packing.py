@@ -106,10 +106,12 @@ def _rows_of(model, sequences, layout: str, pad_id: int):
     order = list(range(len(sequences)))
     if layout == "packed":
         packed = pack(sequences)
-        ids_xT, positions_xT, mask_xT = packed.input_ids_N[None], packed.position_ids_N[None], packed.completion_mask_N[None]
+        ids_xT, positions_xT = packed.input_ids_N[None], packed.position_ids_N[None]
+        mask_xT = packed.completion_mask_N[None]
     elif layout == "packed rows":
         rows = pack_rows(sequences, max(len(p) + len(c) for p, c in sequences), pad_id)
-        ids_xT, positions_xT, mask_xT, order = rows.input_ids_RL, rows.position_ids_RL, rows.completion_mask_RL, rows.order
+        ids_xT, positions_xT, mask_xT = rows.input_ids_RL, rows.position_ids_RL, rows.completion_mask_RL
+        order = rows.order
     else:
         ids_xT, attention_xT, mask_xT = pad(sequences, layout, pad_id)
         positions_xT = position_ids_from_mask(attention_xT)

@@ -130,8 +130,8 @@ def test_the_update_never_holds_more_than_one_chunk_of_float32_vocab_logits():
 
 
 def test_micro_batches_respect_the_token_budget_and_the_row_limit():
-    from graft.train.rollout_batch import RolloutBatch
     from graft.train.micro_batches import _micro_batches
+    from graft.train.rollout_batch import RolloutBatch
 
     lengths = [(3, 2), (2, 2), (6, 4), (1, 1), (4, 4), (2, 1)]  # sequence lengths 5, 4, 10, 2, 8, 3
     batch = RolloutBatch([([1] * p, [2] * c) for p, c in lengths], [[0.0] * c for _, c in lengths],
