@@ -1,7 +1,8 @@
 """Laying (prompt, completion) sequences out for one forward pass: packed or padded.
 
 Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch rows, ``_T`` tokens
-per padded row, ``_xT`` either layout (``[B, T]`` padded or ``[1, N]`` packed), ``_C`` completion
+per padded row, ``_R``/``_L`` packed rows / tokens per packed row (``pack_rows``), ``_xT`` any of
+these layouts, ``_C`` completion
 tokens of the longest completion (``completion_rows``: one sequence per row, whatever the layout).
 Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
 token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
