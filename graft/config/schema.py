@@ -254,9 +254,17 @@ class TrainConfig(ObjectiveFields):
         "forward of each layer. On by default (as TRL's gradient_checkpointing): without it a micro-batch of "
         "8192 tokens at the 24-layer Qwen2.5-0.5B shape needs ~25 GB of activations.")
     max_tokens_per_micro_batch: int | None = Field(
-        8192, ge=1, description="Padded tokens (rows x longest sequence) per forward/backward on one rank; "
-        "gradients accumulate over micro-batches, the loss divisor stays the whole mini-batch's, so this changes "
-        "memory, not results (as verl's ppo_max_token_len_per_gpu). null = no token limit.")
+        8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
+        "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "
+        "stays the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
+        "null = no token limit.")
+    pack_sequences: bool = Field(
+        True, description="Lay each micro-batch out packed: sequences back to back in rows no longer than its "
+        "longest sequence (first fit, longest first), position ids restarting per sequence, attention kept inside "
+        "each sequence (transformers builds the block-diagonal mask from the restarts with sdpa/eager, varlen with "
+        "flash-attention). Short sequences share rows instead of computing padding; attention and its mask never "
+        "cost more than padding's. false = one right-padded row per sequence. Same results either way; see "
+        "docs/benchmarks.md.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )

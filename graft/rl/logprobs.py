@@ -61,29 +61,39 @@ def _score_chunk(head_forward, hidden_CH: Tensor, targets_C: Tensor, with_entrop
     return torch.stack(token_logprobs_and_entropy(head_forward(hidden_CH), targets_C, with_entropy), dim=-1)
 
 
-def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entropy: bool):
+def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entropy: bool,
+                  keep_BK: Tensor | None = None):
     """A stand-in for the LM head's forward: ``hidden_BKH -> [B, K, 2]`` scores, chunk by chunk.
 
-    With gradients on, each chunk is recomputed in the backward pass (``checkpoint``): only its
-    hidden states are kept, so the backward never holds more than one chunk's logits either.
+    With ``keep_BK`` only those positions are scored (the rest stay 0): rows of a padded batch
+    share the columns ``K``, but each row needs only its own completion's. With gradients on, each
+    chunk is recomputed in the backward pass (``checkpoint``): only its hidden states are kept, so
+    the backward never holds more than one chunk's logits either.
     """
     def forward(hidden_BKH: Tensor) -> Tensor:
         b, k, h = hidden_BKH.shape
         hidden_NH, targets_N = hidden_BKH.reshape(b * k, h), targets_BK.reshape(b * k)
-        scores = []
-        for start in range(0, b * k, chunk_tokens):
+        if keep_BK is not None:
+            keep_N1 = keep_BK.reshape(b * k, 1)
+            hidden_NH, targets_N = hidden_NH[keep_N1[:, 0]], targets_N[keep_N1[:, 0]]
+        scores = [hidden_NH.new_zeros(0, 2, dtype=torch.float32)]
+        for start in range(0, len(targets_N), chunk_tokens):
             chunk = (hidden_NH[start:start + chunk_tokens], targets_N[start:start + chunk_tokens])
             if torch.is_grad_enabled() and hidden_NH.requires_grad:
                 scores.append(checkpoint(_score_chunk, head_forward, *chunk, with_entropy, use_reentrant=False))
             else:
                 scores.append(_score_chunk(head_forward, *chunk, with_entropy))
-        return torch.cat(scores).view(b, k, 2)
+        scores_M2 = torch.cat(scores)
+        if keep_BK is not None:
+            scores_M2 = scores_M2.new_zeros(b * k, 2).masked_scatter(keep_N1.expand(-1, 2), scores_M2)
+        return scores_M2.view(b, k, 2)
     return forward
 
 
 def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor | None = None, *,
                             positions_K: Tensor | None = None, with_entropy: bool = False,
-                            chunk_tokens: int | None = None) -> TeacherForced:
+                            chunk_tokens: int | None = None, position_ids_BT: Tensor | None = None,
+                            score_mask_BT: Tensor | None = None) -> TeacherForced:
     """One forward of ``model`` over ``input_ids_BT``, scoring each position's next token.
 
     The LM head runs only at ``positions_K`` (e.g. those that predict a completion token), in chunks
@@ -100,6 +110,14 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
         positions_K: Increasing positions to score; None = every position but the last.
         with_entropy: Also compute each scored position's entropy.
         chunk_tokens: Positions per LM-head chunk; None = ``DEFAULT_CHUNK_ELEMENTS // vocab``.
+        position_ids_BT: For packed rows (``graft.rl.packing.pack``): positions restarting at 0 per
+            sequence, with ``attention_mask_BT`` None. No KV cache is built (``use_cache=False``), so
+            transformers reads the restarts as sequence boundaries and keeps attention inside each
+            sequence (a block-diagonal mask for sdpa/eager, varlen for flash-attention); with a cache
+            it would not, and tokens would attend to the sequences packed before them.
+        score_mask_BT: Score only where True (within ``positions_K``; e.g. each row's completion
+            positions): the LM head, the costliest per token at a real vocabulary, skips the other
+            rows' positions in the shared columns; those stay 0.
     """
     t = input_ids_BT.shape[1]
     if positions_K is None:
@@ -107,9 +125,10 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
     targets_BK = next_token_targets(input_ids_BT)[:, positions_K]
     head = model.get_output_embeddings()
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // head.weight.shape[0])
-    with _head_forward_replaced(head, _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy)):
-        scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False,
-                           logits_to_keep=positions_K).logits
+    keep_BK = score_mask_BT[:, positions_K] if score_mask_BT is not None else None
+    with _head_forward_replaced(head, _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy, keep_BK)):
+        scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
+                           use_cache=False, logits_to_keep=positions_K).logits
     logprobs_BT = input_ids_BT.new_zeros(input_ids_BT.shape, dtype=torch.float32)
     entropy_BT = torch.zeros_like(logprobs_BT)
     logprobs_BT = logprobs_BT.index_copy(1, positions_K, scores_BK2[..., 0])

@@ -1,7 +1,10 @@
 """Laying (prompt, completion) sequences out for one forward pass: packed or padded.
 
 Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch rows, ``_T`` tokens
-per padded row. Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
+per padded row, ``_R``/``_L`` packed rows / tokens per packed row (``pack_rows``), ``_xT`` any of
+these layouts, ``_C`` completion
+tokens of the longest completion (``completion_rows``: one sequence per row, whatever the layout).
+Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
 token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
 completion token, so with ``targets = next_token_targets(input_ids)`` and
 ``logprobs, _ = token_logprobs_and_entropy(logits, targets)`` the masked values are exactly the completion
@@ -11,7 +14,13 @@ at in-sequence positions ``P-1 .. P+C-2``.
 Packed attention: a packed row needs ``position_ids`` that restart at 0 per sequence (given here)
 AND attention restricted to each sequence's own tokens — a block-diagonal causal mask
 (``block_diagonal_mask``) or varlen attention (flash-attn's ``cu_seqlens``). Position ids alone do
-not stop a token attending to the sequences packed before it.
+not stop a token attending to the sequences packed before it — unless the model builds that mask
+from the restarts itself (transformers does when no KV cache is in use; see
+``graft.rl.logprobs.teacher_forced_logprobs``).
+
+Back to sequences: ``completion_rows`` is the one map from a layout's per-position values to each
+sequence's completion values (the place verl's #5115 misalignment class lives), used for padded and
+packed layouts alike; ``completion_rows_mask`` marks its valid entries.
 """
 
 from dataclasses import dataclass
@@ -89,6 +98,65 @@ def pack(sequences: list[Sequence]) -> Packed:
     )
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Sequences packed into ``R`` rows of ``L`` tokens: each row holds whole sequences back to back
+    (position ids restarting), its unused tail is a stand-in sequence of ``pad_id`` (position ids
+    restarting too, so nothing real attends to it) — see ``pack_rows``.
+
+    Attributes:
+        input_ids_RL, position_ids_RL, completion_mask_RL: As ``Packed``'s, one row each.
+        order: The sequences' indices in layout order (row-major): the order of ``completion_rows``.
+    """
+
+    input_ids_RL: Tensor
+    position_ids_RL: Tensor
+    completion_mask_RL: Tensor
+    order: list[int]
+
+
+def first_fit_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of at most ``row_tokens`` (at least the longest): first fit,
+    longest first; each row's indices in increasing order."""
+    row_tokens = max(row_tokens, *lengths)
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = next((r for r, f in enumerate(free) if lengths[i] <= f), None)
+        if fits is None:
+            rows.append([i])
+            free.append(row_tokens - lengths[i])
+        else:
+            rows[fits].append(i)
+            free[fits] -= lengths[i]
+    return [sorted(row) for row in rows]
+
+
+def pack_rows(sequences: list[Sequence], row_tokens: int, pad_id: int) -> PackedRows:
+    """Packs sequences into rows of at most ``max(row_tokens, longest sequence)`` tokens
+    (``first_fit_rows``); ``L`` is the fullest row's length.
+
+    With ``row_tokens`` the longest sequence, a packed batch never has more rows than a padded one,
+    nor longer ones: attention (and a block-diagonal mask, ``R x L x L``) costs at most padding's,
+    while short sequences share rows instead of computing padding.
+
+    Raises:
+        ValueError: If there are no sequences or a prompt is empty.
+    """
+    _check(sequences)
+    lengths = [len(p) + len(c) for p, c in sequences]
+    rows = first_fit_rows(lengths, row_tokens)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids, positions, masks = [], [], []
+    for row in rows:
+        packed = pack([sequences[i] for i in row])
+        tail = width - len(packed.input_ids_N)
+        ids.append(torch.cat([packed.input_ids_N, torch.full((tail,), pad_id, dtype=torch.long)]))
+        positions.append(torch.cat([packed.position_ids_N, torch.arange(tail)]))
+        masks.append(torch.cat([packed.completion_mask_N, torch.zeros(tail, dtype=torch.bool)]))
+    return PackedRows(torch.stack(ids), torch.stack(positions), torch.stack(masks), [i for row in rows for i in row])
+
+
 def unpack_completion_logprobs(values_N: Tensor, packed: Packed) -> list[Tensor]:
     """Each sequence's completion-token values, in order, from per-position values of a packed row.
 
@@ -155,3 +223,31 @@ def padded_completion_logprobs(values_BT: Tensor, completion_mask_BT: Tensor) ->
     """Each row's completion-token values, in order, from per-position values of a padded batch."""
     assert values_BT.shape == completion_mask_BT.shape, "values do not match the padded layout"
     return [row_T[mask_T] for row_T, mask_T in zip(values_BT, completion_mask_BT)]
+
+
+def completion_rows_mask(completion_lens: list[int], device: torch.device | None = None) -> Tensor:
+    """``mask_BC``: True at the first ``completion_lens[b]`` entries of row ``b``."""
+    lens_B = torch.tensor(completion_lens, dtype=torch.long, device=device)
+    width = max(completion_lens, default=0)
+    return torch.arange(width, device=device)[None, :] < lens_B[:, None]
+
+
+def completion_rows(values_xT: Tensor, completion_mask_xT: Tensor, completion_lens: list[int]) -> Tensor:
+    """Each sequence's completion values as one row of a ``[B, C]`` grid, zero after its end.
+
+    Works for a padded batch (one sequence per row) and packed rows (several sequences per row)
+    alike: both completion masks, read row-major, list every sequence's completion positions
+    sequence after sequence, in order — so row ``b`` of the result is sequence ``b``'s values
+    whatever the layout, and a loss over ``[B, C]`` (per-sequence advantages, per-sequence means)
+    is layout-free. Differentiable (gradients flow back to ``values_xT``).
+
+    Args:
+        values_xT: Per-position values (log-probs of the next token, entropy...), ``[B, T]`` or ``[1, N]``.
+        completion_mask_xT: The layout's completion mask (``pad``'s or ``Packed.completion_mask_N[None]``).
+        completion_lens: Completion tokens per sequence, in layout order.
+    """
+    assert values_xT.shape == completion_mask_xT.shape, "values do not match the layout"
+    flat = values_xT[completion_mask_xT]
+    assert flat.numel() == sum(completion_lens), "the completion mask does not match the completion lengths"
+    mask_BC = completion_rows_mask(completion_lens, values_xT.device)
+    return values_xT.new_zeros(mask_BC.shape).masked_scatter(mask_BC, flat)

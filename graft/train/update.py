@@ -5,9 +5,12 @@ prompt groups, one optimizer step per mini-batch (PPO-style: the ratio to the po
 the update is clipped). A mini-batch may be split further over ranks (FSDP2) and micro-batches:
 every part's loss is divided by the whole mini-batch's divisor (`AGGREGATION_DIVISORS`), so
 gradients summed over parts and ranks equal those of the whole mini-batch on one process, and the
-reported metrics are whole-batch values.
+reported metrics are whole-batch values. Which rows go to which rank and micro-batch, and how a
+micro-batch is laid out (packed or padded), is `graft.train.micro_batches`'s: the loss sees one row
+per sequence either way.
 
-Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_P`/`_G` prompts/group.
+Shape suffixes: `_B` sequences of a micro-batch, `_C` completion tokens (longest of the micro-batch),
+`_P`/`_G` prompts/group.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
 from graft.rl.importance import mismatch_weights
-from graft.rl.logprobs import teacher_forced_logprobs
 from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
-from graft.rl.packing import pad
 from graft.train.distributed import Dist, full_tensor
+from graft.train.micro_batches import Micros, _equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
 
 
@@ -36,57 +38,6 @@ class NonFiniteUpdateError(ValueError):
 # Token-weighted statistics, summed over micro-batches and ranks, then divided by the token count.
 _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean", "tis_capped_fraction",
                 "mismatch_kl")
-
-
-def _padded_on_device(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int):
-    """Right-padded `(input_ids_BT, attention_mask_BT, completion_mask_BT)` on the model's device."""
-    device = next(model.parameters()).device
-    return tuple(t.to(device) for t in pad([batch.sequences[r] for r in rows], "right", pad_id))
-
-
-def _scored(model: nn.Module, input_ids_BT, attention_mask_BT, mask_BT, train: TrainConfig,
-            with_entropy: bool = False):
-    """Log-probs (and entropy) at the positions that predict a completion token of any row; the LM
-    head never runs over prompt positions before the first completion token."""
-    positions_K = mask_BT.any(dim=0).nonzero()[:, 0]
-    return teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT, positions_K=positions_K,
-                                   with_entropy=with_entropy, chunk_tokens=train.logit_chunk_tokens)
-
-
-def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
-    """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
-    `train.max_tokens_per_micro_batch` padded tokens (rows x longest sequence) each; a row longer
-    than the budget goes alone. Activation memory scales with the padded tokens of one micro-batch."""
-    budget, size = train.max_tokens_per_micro_batch, train.micro_batch_size
-    out: list[list[int]] = []
-    longest = 0
-    for r in rows:
-        length = len(batch.sequences[r][0]) + len(batch.sequences[r][1])
-        if out and (size is None or len(out[-1]) < size) and \
-                (budget is None or (len(out[-1]) + 1) * max(longest, length) <= budget):
-            out[-1].append(r)
-            longest = max(longest, length)
-        else:
-            out.append([r])
-            longest = length
-    return out
-
-
-Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
-
-
-def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch,
-               train: TrainConfig) -> list[Micros]:
-    """Each rank's micro-batches of its rows, as many as the rank with the most, so FSDP2's
-    collectives (one all-gather per forward, one reduce-scatter per backward) line up: a rank with
-    fewer runs stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
-    per_rank = [_micro_batches(rows, batch, train) for rows in rows_by_rank]
-    count = max(1, *(len(micros) for micros in per_rank))
-    return [[(rows, 1.0) for rows in micros] + [([stand_in], 0.0)] * (count - len(micros)) for micros in per_rank]
-
-
-def _rows_by_rank(mini: list[int], ctx: Dist) -> list[list[int]]:
-    return [[mini[i] for i in Dist(rank, ctx.world_size).rows(len(mini))] for rank in range(ctx.world_size)]
 
 
 def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[int]]:
@@ -124,29 +75,29 @@ class _LogprobCache:
             return
         with torch.no_grad():
             for part in parts:
-                input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, part, pad_id)
+                micro = lay_out(model, batch, part, pad_id, train.pack_sequences)
                 if ref_needed:
                     with adapter_disabled(model):
-                        ref_BT, _ = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train)
+                        self._keep(self.ref, micro, scored(model, micro, train)[0])
                 if old_needed:
-                    policy_BT, _ = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train)
-                for b, r in enumerate(part):
-                    if ref_needed:
-                        self.ref[r] = ref_BT[b, mask_BT[b]]
-                    if old_needed:
-                        self.old[r] = policy_BT[b, mask_BT[b]]
+                    self._keep(self.old, micro, scored(model, micro, train)[0])
+                    for r in part:
                         self.note_gap(r, self.old[r])
+
+    @staticmethod
+    def _keep(which: dict, micro, values_BC: torch.Tensor) -> None:
+        for b, (r, n) in enumerate(zip(micro.rows, micro.completion_lens)):
+            which[r] = values_BC[b, :n]
 
     def note_gap(self, row: int, policy_logprobs: torch.Tensor) -> None:
         """Track the largest |engine - trainer| log-prob gap, trainer log-probs before any update."""
         if len(self.engine[row]):
             self.gap = max(self.gap, (self.engine[row] - policy_logprobs).abs().max().item())
 
-    def padded(self, which: dict, rows: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
-        out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
-        for b, r in enumerate(rows):
-            out_BT[b, mask_BT[b]] = which[r]
-        return out_BT
+    def rows(self, which: dict, rows: list[int], mask_BC: torch.Tensor) -> torch.Tensor:
+        """`rows`' cached values as `[B, C]` rows (the layout of `micro_batches.scored`'s results)."""
+        out_BC = torch.zeros(mask_BC.shape, dtype=torch.float32, device=mask_BC.device)
+        return out_BC.masked_scatter(mask_BC, torch.cat([which[r] for r in rows])) if rows else out_BC
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, train: TrainConfig,
@@ -168,8 +119,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
     minis = _mini_batches(n_prompts, group, train.mini_batches)
-    by_mini = [_equalized(_rows_by_rank(mini, ctx), mini[0], batch, train) for mini in minis]
-    plans_by_rank = [[plans[rank] for plans in by_mini] for rank in range(ctx.world_size)]
+    plans_by_rank = plan_by_rank(minis, batch, train, ctx.world_size)
     plan = plans_by_rank[ctx.rank]
     single_step = train.epochs * len(minis) == 1
     cache = _LogprobCache(model, batch, plans_by_rank, train, pad_id, ctx.rank, old_needed=not single_step)
@@ -218,22 +168,23 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                       train: TrainConfig, pad_id: int, divisor: float, cache: _LogprobCache,
                       single_step: bool) -> tuple[torch.Tensor, dict]:
     """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
-    input_ids_BT, attention_mask_BT, mask_BT = _padded_on_device(model, batch, rows, pad_id)
-    logprobs_BT, entropy_BT = _scored(model, input_ids_BT, attention_mask_BT, mask_BT, train, with_entropy=True)
+    micro = lay_out(model, batch, rows, pad_id, train.pack_sequences)
+    rows, mask_BC = micro.rows, micro.mask_BC  # in layout order: the order of the [B, C] results
+    logprobs_BC, entropy_BC = scored(model, micro, train, with_entropy=True)
     if single_step:
-        old_BT = logprobs_BT.detach()
-        for b, r in enumerate(rows):
-            cache.note_gap(r, old_BT[b, mask_BT[b]])
+        old_BC = logprobs_BC.detach()
+        for b, (r, n) in enumerate(zip(rows, micro.completion_lens)):
+            cache.note_gap(r, old_BC[b, :n])
     else:
-        old_BT = cache.padded(cache.old, rows, mask_BT)
-    ref_BT = cache.padded(cache.ref, rows, mask_BT) if train.kl_coef else None
-    tis_BT, mismatch = mismatch_weights(old_BT, cache.padded(cache.engine, rows, mask_BT), mask_BT, train.tis_mode,
+        old_BC = cache.rows(cache.old, rows, mask_BC)
+    ref_BC = cache.rows(cache.ref, rows, mask_BC) if train.kl_coef else None
+    tis_BC, mismatch = mismatch_weights(old_BC, cache.rows(cache.engine, rows, mask_BC), mask_BC, train.tis_mode,
                                         train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
-    entropy_BT = entropy_BT if train.entropy_coef else entropy_BT.detach()
-    loss, stats = grpo_loss(logprobs_BT, old_BT, ref_BT, advantages[rows], mask_BT,
-                            clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BT,
-                            entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BT,
+    entropy_BC = entropy_BC if train.entropy_coef else entropy_BC.detach()
+    loss, stats = grpo_loss(logprobs_BC, old_BC, ref_BC, advantages[rows], mask_BC,
+                            clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BC,
+                            entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BC,
                             divisor=divisor, options=LossOptions.from_config(train))
     stats.update(mismatch)
     return loss, stats

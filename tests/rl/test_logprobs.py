@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs, token_logprobs_and_entropy
-from graft.rl.packing import pad
+from graft.rl.packing import completion_rows, pack, pad
 from tests.helpers import trained_like_peft_model
 
 
@@ -74,6 +74,39 @@ def test_chunked_head_equals_the_full_logits_formula_values_and_lora_gradients(m
     for got, want in zip(new[2], old[2], strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert any(g.abs().max() > 0 for g in new[2])
+
+
+@pytest.mark.parametrize("layout", ["padded, score mask", "packed"])
+def test_score_mask_and_packed_rows_equal_the_full_logits_formula(model, layout):
+    """Per-row score masks (the head skips other rows' positions) and packed rows (position ids
+    restarting, no attention mask: transformers keeps attention inside each sequence) give each
+    sequence's completion log-probs, entropies and LoRA gradients of the full-logits formula."""
+    input_ids_BT, attention_mask_BT, mask_BT = pad(SEQUENCES, "right", pad_id=0)
+    lens = [len(c) for _, c in SEQUENCES]
+    params = [p for n, p in model.named_parameters() if ".lora_" in n]
+
+    def rows_and_grads(logprobs_xT, entropy_xT, mask_xT):
+        logprobs_BC = completion_rows(logprobs_xT, mask_xT, lens)
+        entropy_BC = completion_rows(entropy_xT, mask_xT, lens)
+        grads = torch.autograd.grad((logprobs_BC * 0.7 - 0.01 * entropy_BC).sum(), params)
+        return logprobs_BC, entropy_BC, grads
+
+    if layout == "packed":
+        packed = pack(SEQUENCES)
+        ids_1N, mask_1N = packed.input_ids_N[None], packed.completion_mask_N[None]
+        new = rows_and_grads(*teacher_forced_logprobs(
+            model, ids_1N, positions_K=mask_1N[0].nonzero()[:, 0], with_entropy=True, chunk_tokens=2,
+            position_ids_BT=packed.position_ids_N[None]), mask_1N)
+    else:
+        scored_BT = teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT, with_entropy=True,
+                                            chunk_tokens=2, score_mask_BT=mask_BT)
+        assert (scored_BT.logprobs_BT[~mask_BT] == 0).all()  # the head ran at completion positions only
+        new = rows_and_grads(*scored_BT, mask_BT)
+    old = rows_and_grads(*_full_logits_formula(model, input_ids_BT, attention_mask_BT), mask_BT)
+    torch.testing.assert_close(new[0], old[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(new[1], old[1], atol=1e-5, rtol=1e-6)
+    for got, want in zip(new[2], old[2], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("prompt", "completion"), SEQUENCES)

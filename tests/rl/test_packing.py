@@ -12,8 +12,12 @@ from transformers import AutoModelForCausalLM
 from graft.rl.logprobs import token_logprobs_and_entropy
 from graft.rl.packing import (
     block_diagonal_mask,
+    completion_rows,
+    completion_rows_mask,
+    first_fit_rows,
     next_token_targets,
     pack,
+    pack_rows,
     pad,
     padded_completion_logprobs,
     position_ids_from_mask,
@@ -95,6 +99,49 @@ def test_all_layouts_match_direct_computation():
         _assert_same(_packed(model, sequences), expected)
         _assert_same(_padded(model, sequences, "left", pad_id), expected)
         _assert_same(_padded(model, sequences, "right", pad_id), expected)
+
+
+def _rows_of(model, sequences, layout: str, pad_id: int):
+    """``completion_rows`` of a packed row or a padded batch, back to a list of sequences."""
+    order = list(range(len(sequences)))
+    if layout == "packed":
+        packed = pack(sequences)
+        ids_xT, positions_xT = packed.input_ids_N[None], packed.position_ids_N[None]
+        mask_xT = packed.completion_mask_N[None]
+    elif layout == "packed rows":
+        rows = pack_rows(sequences, max(len(p) + len(c) for p, c in sequences), pad_id)
+        ids_xT, positions_xT, mask_xT = rows.input_ids_RL, rows.position_ids_RL, rows.completion_mask_RL
+        order = rows.order
+    else:
+        ids_xT, attention_xT, mask_xT = pad(sequences, layout, pad_id)
+        positions_xT = position_ids_from_mask(attention_xT)
+    lens = [len(sequences[i][1]) for i in order]
+    rows_BC = completion_rows(token_logprobs(model(ids_xT, positions_xT), next_token_targets(ids_xT)), mask_xT, lens)
+    mask_BC = completion_rows_mask(lens)
+    assert rows_BC.shape == (len(sequences), max(lens)) and (rows_BC[~mask_BC] == 0).all()
+    by_sequence = dict(zip(order, (row_C[:n] for row_C, n in zip(rows_BC, lens))))
+    return [by_sequence[i] for i in range(len(sequences))]
+
+
+def test_completion_rows_match_direct_computation_in_every_layout():
+    """The one map back to sequences (used by the update for packed and padded micro-batches)."""
+    model = FakeLM()
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        sequences = _random_sequences(g)
+        pad_id = int(torch.randint(0, VOCAB, (1,), generator=g))
+        expected = _direct(model, sequences)
+        for layout in ("packed", "packed rows", "left", "right"):
+            _assert_same(_rows_of(model, sequences, layout, pad_id), expected)
+
+
+def test_completion_rows_refuse_lengths_that_do_not_match_the_mask():
+    packed = pack([([1, 2], [3, 4]), ([5], [6])])
+    values_1N = torch.zeros(1, len(packed.input_ids_N))
+    with pytest.raises(AssertionError, match="completion lengths"):
+        completion_rows(values_1N, packed.completion_mask_N[None], [2, 2])
+    with pytest.raises(AssertionError, match="layout"):
+        completion_rows(values_1N[:, 1:], packed.completion_mask_N[None], [2, 1])
 
 
 def test_the_check_catches_misalignment_and_wrong_positions():
@@ -199,3 +246,15 @@ def test_real_tiny_model_layouts_agree(tiny_model_dirs, arch):
         leaky = unpack_completion_logprobs(run(ids_1N, position_ids=pos_1N), packed)
         torch.testing.assert_close(leaky[0], expected[0], atol=1e-5, rtol=0)  # the first sees nothing extra
         assert max((got - exp).abs().max().item() for got, exp in zip(leaky[1:], expected[1:])) > 1e-3
+
+
+def test_pack_rows_by_hand():
+    """Rows as long as the longest sequence, filled longest first; tails restart their positions."""
+    sequences = [([1, 2], [3]), ([4], [5, 6, 7, 8]), ([9], [10]), ([11], [12])]  # lengths 3, 5, 2, 2
+    rows = pack_rows(sequences, row_tokens=5, pad_id=0)
+    assert rows.order == [1, 0, 2, 3]  # row 0: sequence 1; row 1: sequences 0 and 2; row 2: sequence 3
+    assert rows.input_ids_RL.tolist() == [[4, 5, 6, 7, 8], [1, 2, 3, 9, 10], [11, 12, 0, 0, 0]]
+    assert rows.position_ids_RL.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert rows.completion_mask_RL.int().tolist() == [[1, 1, 1, 1, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 0]]
+    assert first_fit_rows([3, 5, 2, 2], 5) == [[1], [0, 2], [3]]
+    assert first_fit_rows([3, 5, 2, 2], 1) == [[1], [0, 2], [3]]  # never shorter than the longest

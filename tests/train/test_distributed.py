@@ -63,23 +63,40 @@ def _rank_main(rank: int, model_dir, out_dir, init_file, n_prompts, group, overr
 
 
 @pytest.mark.parametrize("n_prompts, group, overrides", [
-    (3, 3, []),  # 9 rows: 5 on rank 0, 4 on rank 1
+    (3, 3, []),  # 9 ragged rows, split over the ranks by tokens
     (1, 1, []),  # one row: rank 1 has nothing, yet takes part and the grad norm is the whole batch's
     (4, 2, ["train.mini_batches=2", "train.epochs=2", "train.loss_agg=seq-mean-token-mean", "train.tis_cap=2.0",
             "train.micro_batch_size=1"]),
     # a token budget of 12 padded tokens: ranks end up with different micro-batch counts (equalized)
-    (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3"]),
+    (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3", "train.pack_sequences=false"]),
     (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
     (3, 2, ["train.activation_checkpointing=false", "train.max_tokens_per_micro_batch=16"]),
 ])
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
-    model_dir = tiny_model_dirs["qwen2"]
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, overrides),
+    _assert_two_ranks_like_one(tiny_model_dirs["qwen2"], tmp_path, n_prompts, group, overrides, overrides)
+
+
+@pytest.mark.parametrize("n_prompts, group, overrides", [
+    (3, 3, ["train.tis_cap=2.0", "train.mini_batches=3"]),  # 9 ragged rows split by tokens, KL, entropy, TIS
+    (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
+    (4, 2, ["train.max_tokens_per_micro_batch=12", "train.loss_agg=seq-mean-token-mean", "train.epochs=2"]),
+])
+def test_two_ranks_packed_update_like_one_padded(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
+    """2 FSDP2 ranks of packed micro-batches (rows split by tokens) give one padded process's
+    metrics and LoRA weights (<= 1e-5); with a token budget the ranks' micro-batch counts differ
+    (equalized with stand-ins)."""
+    _assert_two_ranks_like_one(tiny_model_dirs["qwen2"], tmp_path, n_prompts, group,
+                               [*overrides, "train.pack_sequences=true"],
+                               [*overrides, "train.pack_sequences=false", "train.max_tokens_per_micro_batch="])
+
+
+def _assert_two_ranks_like_one(model_dir, tmp_path, n_prompts, group, sharded_overrides, single_overrides):
+    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, sharded_overrides),
              nprocs=WORLD, join=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: same kernels, same rounding
     try:
-        single_metrics, single_weights = _updates(model_dir, Dist(), n_prompts, group, overrides)
+        single_metrics, single_weights = _updates(model_dir, Dist(), n_prompts, group, single_overrides)
     finally:
         torch.set_num_threads(threads)
     sharded_metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -143,6 +160,19 @@ def test_token_budget_micro_batches_update_like_one_batch(tiny_model_dirs):
     metrics and LoRA weights of one micro-batch per mini-batch (<= 1e-5)."""
     _assert_same_updates(tiny_model_dirs["qwen2"], ["train.max_tokens_per_micro_batch="],
                          ["train.max_tokens_per_micro_batch=16"], tol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["train.max_tokens_per_micro_batch=16"],  # several packed micro-batches (4-10 token sequences)
+    ["train.loss_agg=seq-mean-token-mean", "train.epochs=2"],
+])
+def test_packed_micro_batches_update_like_padded(tiny_model_dirs, overrides):
+    """Packed micro-batches (sequences back to back, position ids restarting, attention kept inside
+    each sequence) give the metrics and LoRA weights of right-padded ones (<= 1e-5) on ragged
+    lengths, KL, entropy bonus and TIS on."""
+    _assert_same_updates(tiny_model_dirs["qwen2"], ["train.pack_sequences=false", *overrides],
+                         ["train.pack_sequences=true", *overrides], tol=1e-5)
 
 
 def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):

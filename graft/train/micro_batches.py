@@ -1,0 +1,150 @@
+"""Where each row of a mini-batch goes (rank, micro-batch) and how a micro-batch is laid out.
+
+A mini-batch's rows are split over ranks by tokens (longest first, to the rank with the fewest
+tokens so far: the slowest rank sets the pace of every collective), then into micro-batches of at
+most `train.max_tokens_per_micro_batch` tokens. Every rank runs the same number of micro-batches
+(FSDP2's collectives line up), padding its plan with zero-weight stand-ins.
+
+A micro-batch is laid out packed (`train.pack_sequences`: sequences back to back in rows as long
+as its longest sequence, position ids restarting per sequence, attention kept inside each sequence)
+or right-padded (one row per sequence). Rows no longer than the longest sequence keep attention
+and its block-diagonal mask (`R x L x L`) within padding's cost: one row of all 8192 tokens
+computed 1.5x the layers' CPU time of padding and kept an `[N, N]` float mask per layer for the
+backward (docs/benchmarks.md). Either way the scores come back as one row per sequence
+(`graft.rl.packing.completion_rows`), so the loss and the log-prob cache never see the layout.
+
+Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_N` packed tokens,
+`_xT` either layout (`[B, T]` or `[R, L]`: R packed rows of L tokens), `_K` scored positions,
+`_C` completion tokens (longest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from graft.config import TrainConfig
+from graft.rl.logprobs import teacher_forced_logprobs
+from graft.rl.packing import completion_rows, completion_rows_mask, first_fit_rows, pack_rows, pad
+from graft.train.rollout_batch import RolloutBatch
+
+Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
+
+
+def _length(batch: RolloutBatch, row: int) -> int:
+    return len(batch.sequences[row][0]) + len(batch.sequences[row][1])
+
+
+def _laid_out_tokens(lengths: list[int], packed: bool) -> int:
+    """Token positions the forward computes: rows x longest, rows packed (`first_fit_rows` into rows
+    as long as the longest sequence) or one per sequence (padded)."""
+    longest = max(lengths)
+    return longest * (len(first_fit_rows(lengths, longest)) if packed else len(lengths))
+
+
+def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
+    """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
+    `train.max_tokens_per_micro_batch` laid-out tokens each (`_laid_out_tokens`: padding counts, and
+    packing needs fewer rows); a row longer than the budget goes alone. Activation memory scales
+    with the laid-out tokens of one micro-batch."""
+    budget, size = train.max_tokens_per_micro_batch, train.micro_batch_size
+    out: list[list[int]] = []
+    lengths: list[int] = []
+    for r in rows:
+        candidate = [*lengths, _length(batch, r)]
+        if out and (size is None or len(out[-1]) < size) and \
+                (budget is None or _laid_out_tokens(candidate, train.pack_sequences) <= budget):
+            out[-1].append(r)
+            lengths = candidate
+        else:
+            out.append([r])
+            lengths = candidate[-1:]
+    return out
+
+
+def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch,
+               train: TrainConfig) -> list[Micros]:
+    """Each rank's micro-batches of its rows, as many as the rank with the most, so FSDP2's
+    collectives (one all-gather per forward, one reduce-scatter per backward) line up: a rank with
+    fewer runs stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
+    per_rank = [_micro_batches(rows, batch, train) for rows in rows_by_rank]
+    count = max(1, *(len(micros) for micros in per_rank))
+    return [[(rows, 1.0) for rows in micros] + [([stand_in], 0.0)] * (count - len(micros)) for micros in per_rank]
+
+
+def _rows_by_rank(mini: list[int], batch: RolloutBatch, world_size: int) -> list[list[int]]:
+    """`mini`'s rows split over ranks by tokens: longest first, each to the rank with the fewest
+    tokens so far (ties: the lower rank), so ragged lengths do not leave one rank doing most of the
+    work while the others wait in the collectives. Each rank keeps its rows in batch order; with
+    fewer rows than ranks the last ranks get none (they run stand-ins)."""
+    tokens, out = [0] * world_size, [[] for _ in range(world_size)]
+    for r in sorted(mini, key=lambda r: (-_length(batch, r), r)):
+        rank = min(range(world_size), key=lambda k: (tokens[k], k))
+        tokens[rank] += _length(batch, r)
+        out[rank].append(r)
+    return [sorted(rows) for rows in out]
+
+
+def plan_by_rank(minis: list[list[int]], batch: RolloutBatch, train: TrainConfig, world_size: int
+                 ) -> list[list[Micros]]:
+    """Every rank's micro-batches of every mini-batch (`[rank][mini]`), computed once: each rank
+    needs the others' micro-batch counts (equalized) and the rows they touch (the log-prob cache)."""
+    by_mini = [_equalized(_rows_by_rank(mini, batch, world_size), mini[0], batch, train) for mini in minis]
+    return [[plans[rank] for plans in by_mini] for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's model inputs on the model's device, packed or padded.
+
+    Attributes:
+        rows: Batch rows, in the order of the result rows of `scored` (packed: layout order).
+        input_ids_xT: `[B, T]` right-padded or `[R, L]` packed rows.
+        attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit).
+        position_ids_xT: Restarting per sequence when packed; None when padded (HF's arange).
+        completion_mask_xT: True where the next token is a completion token.
+        mask_BC: True at each sequence's completion tokens in the `[B, C]` result rows.
+    """
+
+    rows: list[int]
+    input_ids_xT: Tensor
+    attention_mask_xT: Tensor | None
+    position_ids_xT: Tensor | None
+    completion_mask_xT: Tensor
+    mask_BC: Tensor
+
+    @property
+    def completion_lens(self) -> list[int]:
+        return self.mask_BC.sum(dim=1).tolist()
+
+
+def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int, packed: bool) -> MicroBatch:
+    """`rows` packed into rows as long as the longest sequence (`graft.rl.packing.pack_rows`; the
+    result's `rows` are then in layout order) or right-padded, on the model's device."""
+    device = next(model.parameters()).device
+    sequences = [batch.sequences[r] for r in rows]
+    if packed:
+        p = pack_rows(sequences, max(len(q) + len(c) for q, c in sequences), pad_id)
+        rows = [rows[i] for i in p.order]
+        mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
+        return MicroBatch(rows, p.input_ids_RL.to(device), None, p.position_ids_RL.to(device),
+                          p.completion_mask_RL.to(device), mask_BC)
+    mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
+    input_ids_BT, attention_mask_BT, mask_BT = (t.to(device) for t in pad(sequences, "right", pad_id))
+    return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC)
+
+
+def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy: bool = False
+           ) -> tuple[Tensor, Tensor]:
+    """`(logprobs_BC, entropy_BC)`: each sequence's completion-token log-probs (and entropies) as
+    one row, whatever the layout. The LM head runs only at the positions that predict a completion
+    token (padded rows too: the columns are shared, the head skips other rows' positions)."""
+    positions_K = micro.completion_mask_xT.any(dim=0).nonzero()[:, 0]
+    logprobs_xT, entropy_xT = teacher_forced_logprobs(
+        model, micro.input_ids_xT, micro.attention_mask_xT, positions_K=positions_K, with_entropy=with_entropy,
+        chunk_tokens=train.logit_chunk_tokens, position_ids_BT=micro.position_ids_xT,
+        score_mask_BT=micro.completion_mask_xT)
+    lens = micro.completion_lens
+    return (completion_rows(logprobs_xT, micro.completion_mask_xT, lens),
+            completion_rows(entropy_xT, micro.completion_mask_xT, lens))
