@@ -70,13 +70,19 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
 
 
 def write_merged_model(model: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None,
-                       tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
+                       tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30,
+                       weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> int:
     """Write `model` (adapter merged, if it has one) as a plain HF checkpoint into the existing
     directory `out_dir`: weight shards, config (with `dtype`), generation config, tokenizer if
-    `tokenizer_source` has one. Not atomic by itself; returns weight bytes."""
+    `tokenizer_source` has one. Not atomic by itself; returns weight bytes.
+
+    `weights` replaces `iter_merged_weights(model, dtype)` as the source of the tensors: an FSDP2
+    run's rank 0 passes the stream it merges from gathered modules (`model` then only gives configs).
+    """
     dtype = dtype or model_dtype(model)
     hf_model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    total = write_safetensors_shards(iter_merged_weights(model, dtype), out_dir, max_shard_bytes)
+    total = write_safetensors_shards(iter_merged_weights(model, dtype) if weights is None else weights,
+                                     out_dir, max_shard_bytes)
     config = hf_model.config.__class__.from_dict(hf_model.config.to_dict())
     config.dtype = dtype
     config.save_pretrained(out_dir)
