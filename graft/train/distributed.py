@@ -227,3 +227,11 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
+    """Rank 0's `n` integers on every rank (`values` is None on the others): commands and token ids,
+    as tensors, never pickled."""
+    tensor = torch.tensor(list(values), dtype=torch.long) if values is not None else torch.zeros(n, dtype=torch.long)
+    assert tensor.numel() == n, (tensor.numel(), n)
+    return _broadcast(tensor).tolist()
