@@ -75,14 +75,9 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def _merge_plan(model: nn.Module, dtype: torch.dtype, gather: Gather = _whole
-                ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF name, thunk producing the tensor) for every weight of the plain HF model, in order.
-
-    The inputs of each thunk are gathered while the plan is walked (in the walker's thread, one
-    weight after the other), so under FSDP2 every rank walking the plan runs the same gathers in
-    the same order; only the thunks (the merge arithmetic) run on other threads.
-    """
+def _weights(model: nn.Module) -> Iterator[tuple[str, LoraLayer | None, torch.Tensor]]:
+    """(HF name, LoRA layer or None, stored tensor) for every weight of the plain HF model, in order;
+    for a LoRA layer the tensor is its base weight. Tied tensors appear once, under their first name."""
     inner = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     lora_layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
     seen_storage: set[int] = set()
@@ -92,14 +87,41 @@ def _merge_plan(model: nn.Module, dtype: torch.dtype, gather: Gather = _whole
         module_name, _, leaf = key.rpartition(".")
         owner = module_name.removesuffix(".base_layer")
         if owner in lora_layers and leaf == "weight":
-            yield f"{owner}.{leaf}", partial(merge_weight, *_merge_inputs(lora_layers[owner], gather), dtype)
+            yield f"{owner}.{leaf}", lora_layers[owner], tensor.detach()
             continue
         tensor = tensor.detach()
         if _storage_key(tensor) in seen_storage:
             continue
         seen_storage.add(_storage_key(tensor))
-        tensor = gather(tensor)
-        yield f"{owner}.{leaf}", partial(tensor.to, dtype if tensor.is_floating_point() else tensor.dtype)
+        yield f"{owner}.{leaf}", None, tensor
+
+
+def _out_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if tensor.is_floating_point() else tensor.dtype
+
+
+def merged_layout(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor `iter_merged_weights(model, dtype)` yields, in order, read
+    from the module tree alone (no weight is gathered or merged): a writer can lay out its files
+    before the first tensor arrives and then write each one as it comes."""
+    dtype = dtype or model_dtype(model)
+    return [(name, tuple(tensor.shape), _out_dtype(tensor, dtype)) for name, _, tensor in _weights(model)]
+
+
+def _merge_plan(model: nn.Module, dtype: torch.dtype, gather: Gather = _whole
+                ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF name, thunk producing the tensor) for every weight of the plain HF model, in order.
+
+    The inputs of each thunk are gathered while the plan is walked (in the walker's thread, one
+    weight after the other), so under FSDP2 every rank walking the plan runs the same gathers in
+    the same order; only the thunks (the merge arithmetic) run on other threads.
+    """
+    for name, lora_layer, tensor in _weights(model):
+        if lora_layer is not None:
+            yield name, partial(merge_weight, *_merge_inputs(lora_layer, gather), dtype)
+        else:
+            tensor = gather(tensor)
+            yield name, partial(tensor.to, _out_dtype(tensor, dtype))
 
 
 def run_merge_gathers(model: nn.Module, dtype: torch.dtype, gather: Gather) -> None:
