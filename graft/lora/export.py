@@ -94,7 +94,8 @@ def write_merged_model(model: nn.Module, out_dir: Path, *, dtype: torch.dtype | 
     """
     dtype = dtype or model_dtype(model)
     hf_model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    stream = TensorStream(merged_layout(model, dtype), iter_merged_weights(model, dtype) if weights is None else weights)
+    weights = iter_merged_weights(model, dtype) if weights is None else weights
+    stream = TensorStream(merged_layout(model, dtype), weights)
     total = write_safetensors_shards(stream, out_dir, max_shard_bytes)
     config = hf_model.config.__class__.from_dict(hf_model.config.to_dict())
     config.dtype = dtype

@@ -114,7 +114,8 @@ def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path, mode):
     both sync modes, rank 0 publishing and verifying from the sharded model (the other ranks joining
     its merged stream and forwards)."""
     overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", f"sync.mode={mode}",
-                 "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.kl_coef=0.05",
+                 "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4",
+                 "train.kl_coef=0.05",
                  "train.lr=5e-3", "lora.rank=4", "train.eval_examples=2", "data.reward=format"]
     one = _graft_train(tmp_path / "one", overrides, nproc=1)
     two = _graft_train(tmp_path / "two", overrides, nproc=2)
