@@ -235,3 +235,15 @@ def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
     tensor = torch.tensor(list(values), dtype=torch.long) if values is not None else torch.zeros(n, dtype=torch.long)
     assert tensor.numel() == n, (tensor.numel(), n)
     return _broadcast(tensor).tolist()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters FSDP2 still holds after a forward without a backward: the root
+    unit keeps its own (embeddings, head) after each forward, expecting the backward, so after an
+    initialising, probe or verification forward every rank would hold them whole until the next step.
+    A no-op on a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

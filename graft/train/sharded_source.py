@@ -32,7 +32,7 @@ from graft.lora.merge import iter_merged_weights, run_merge_gathers
 from graft.models.loading import model_dtype
 from graft.rl.logprobs import sequence_logprobs
 from graft.sync.source import probe_logits_finite
-from graft.train.distributed import broadcast_ints, full_tensor
+from graft.train.distributed import broadcast_ints, full_tensor, reshard
 
 # Merged weights travel in one of these (its index is the command's argument).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -99,12 +99,16 @@ class ShardedSource:
 def _logprobs(model: nn.Module, ids: list[int] | None, n_prompt: int, n_completion: int) -> list[float]:
     """Every rank: rank 0's prompt + completion, teacher-forced on the sharded model."""
     ids = broadcast_ints(ids, n_prompt + n_completion)
-    return sequence_logprobs(model, ids[:n_prompt], ids[n_prompt:])
+    logprobs = sequence_logprobs(model, ids[:n_prompt], ids[n_prompt:])
+    reshard(model)  # no backward follows: drop the root unit's whole weights now
+    return logprobs
 
 
 def _probe(model: nn.Module, probe: list[int] | None, n: int) -> bool:
     """Every rank: rank 0's probe, one eval-mode forward on the sharded model."""
-    return probe_logits_finite(model, broadcast_ints(probe, n))
+    finite = probe_logits_finite(model, broadcast_ints(probe, n))
+    reshard(model)  # no backward follows: drop the root unit's whole weights now
+    return finite
 
 
 def serve(model: nn.Module, op: Op, args: list[int]) -> None:
