@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import peft
@@ -114,9 +114,15 @@ def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None, 
         AdapterError: see `_check_lora_model`.
     """
     _check_lora_model(model)
-    dtype = dtype or model_dtype(model)
-    return {peft_key(name): gather(param.detach()).to(device="cpu", dtype=dtype).contiguous()
-            for name, param in lora_parameters(model).items()}
+    return adapter_tensors({name: gather(param.detach()) for name, param in lora_parameters(model).items()},
+                           dtype or model_dtype(model))
+
+
+def adapter_tensors(lora: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Whole LoRA tensors under their training names -> the adapter file's tensors (PEFT's names,
+    CPU, contiguous, `dtype`). Split from `adapter_state_dict` so that an FSDP2 run's rank 0 can
+    publish the LoRA weights it gathered after the step without holding a model to read them from."""
+    return {peft_key(name): tensor.to(device="cpu", dtype=dtype).contiguous() for name, tensor in lora.items()}
 
 
 def _short_target_modules(model: peft.PeftModel) -> list[str] | None:

@@ -1,7 +1,8 @@
 """Write base + LoRA as a standalone HF model: merged safetensors shards, config and tokenizer.
 
 The output loads with `AutoModelForCausalLM` and is a valid source for a vLLM weight reload.
-Tensors are streamed from `iter_merged_weights` into shards, so memory stays bounded by a shard.
+Tensors are streamed from `iter_merged_weights` into the shard files one at a time (their layout is
+known up front, `graft.lora.stream_write`), so memory stays bounded by a few modules, not a shard.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from graft.atomic import atomic_dir
 from graft.lora.adapter_io import load_adapter
-from graft.lora.merge import iter_merged_weights
+from graft.lora.merge import iter_merged_weights, merged_layout
+from graft.lora.stream_write import TensorStream, layout_bytes, plan_shards, write_streamed_shards
 from graft.models.loading import (
     load_model,
     model_dtype,
@@ -35,8 +37,14 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
                              max_shard_bytes: int = 2 << 30) -> int:
     """Write tensors as HF-style shards (`model.safetensors`, or numbered shards + index). Returns bytes.
 
-    A shard is flushed as soon as it reaches `max_shard_bytes`, so at most one shard is held in memory.
+    A shard is flushed as soon as it reaches `max_shard_bytes`, so at most one shard is held in memory;
+    a `TensorStream` of one dtype is written one tensor at a time instead (the same bytes).
     """
+    if isinstance(named_tensors, TensorStream) and named_tensors.streamable:
+        shards = plan_shards(named_tensors.layout, max_shard_bytes)
+        write_streamed_shards(named_tensors, [out_dir / f"shard-{i:05d}.tmp" for i in range(len(shards))], shards)
+        return _name_shards(out_dir, [[name for name, _, _ in shard] for shard in shards],
+                            layout_bytes(named_tensors.layout))
     shards: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = total_bytes = 0
@@ -56,6 +64,11 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
         total_bytes += size
     if shard or not shards:
         flush()
+    return _name_shards(out_dir, shards, total_bytes)
+
+
+def _name_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> int:
+    """Give the written `shard-N.tmp` files their HF names (and an index when there are several)."""
     if len(shards) == 1:
         os.replace(out_dir / "shard-00000.tmp", out_dir / SAFE_SINGLE)
         return total_bytes
@@ -70,13 +83,20 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
 
 
 def write_merged_model(model: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None,
-                       tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30) -> int:
+                       tokenizer_source: str | os.PathLike | None = None, max_shard_bytes: int = 2 << 30,
+                       weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> int:
     """Write `model` (adapter merged, if it has one) as a plain HF checkpoint into the existing
     directory `out_dir`: weight shards, config (with `dtype`), generation config, tokenizer if
-    `tokenizer_source` has one. Not atomic by itself; returns weight bytes."""
+    `tokenizer_source` has one. Not atomic by itself; returns weight bytes.
+
+    `weights` replaces `iter_merged_weights(model, dtype)` as the source of the tensors: an FSDP2
+    run's rank 0 passes the stream it merges from gathered modules (`model` then only gives configs).
+    """
     dtype = dtype or model_dtype(model)
     hf_model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    total = write_safetensors_shards(iter_merged_weights(model, dtype), out_dir, max_shard_bytes)
+    weights = iter_merged_weights(model, dtype) if weights is None else weights
+    stream = TensorStream(merged_layout(model, dtype), weights)
+    total = write_safetensors_shards(stream, out_dir, max_shard_bytes)
     config = hf_model.config.__class__.from_dict(hf_model.config.to_dict())
     config.dtype = dtype
     config.save_pretrained(out_dir)

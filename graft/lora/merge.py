@@ -21,6 +21,14 @@ from torch import nn
 from graft.lora.attach import ADAPTER_NAME
 from graft.models.loading import model_dtype
 
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""A weight -> its whole tensor (under FSDP2 a collective that every rank calls, in the same order)."""
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The default `Gather`: one process holds every weight whole."""
+    return tensor
+
 # Module merges run on this many threads: torch's intra-op parallelism barely speeds up the rank-r
 # GEMM and the mixed-dtype add, while two modules merged side by side take half the time (measured
 # on the bench model, 2 cores: 142 ms sequential vs 63 ms on 2 threads).
@@ -53,15 +61,23 @@ def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tenso
     return merged
 
 
-def _merged_module_weight(module: LoraLayer, dtype: torch.dtype) -> torch.Tensor:
+def _merge_inputs(module: LoraLayer, gather: Gather) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(weight, lora_A, lora_B, scaling) of one LoRA module, each gathered whole."""
     base = module.get_base_layer()
     assert not module.fan_in_fan_out, "Conv1D-style (fan_in_fan_out) layers are not supported"
-    return merge_weight(base.weight.detach(), module.lora_A[ADAPTER_NAME].weight.detach(),
-                        module.lora_B[ADAPTER_NAME].weight.detach(), module.scaling[ADAPTER_NAME], dtype)
+    return (gather(base.weight.detach()), gather(module.lora_A[ADAPTER_NAME].weight.detach()),
+            gather(module.lora_B[ADAPTER_NAME].weight.detach()), module.scaling[ADAPTER_NAME])
 
 
-def _merge_plan(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF name, thunk producing the tensor) for every weight of the plain HF model, in order."""
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lives (a sharded tensor: its local shard), to spot tied weights."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _weights(model: nn.Module) -> Iterator[tuple[str, LoraLayer | None, torch.Tensor]]:
+    """(HF name, LoRA layer or None, stored tensor) for every weight of the plain HF model, in order;
+    for a LoRA layer the tensor is its base weight. Tied tensors appear once, under their first name."""
     inner = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     lora_layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
     seen_storage: set[int] = set()
@@ -71,16 +87,52 @@ def _merge_plan(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Cal
         module_name, _, leaf = key.rpartition(".")
         owner = module_name.removesuffix(".base_layer")
         if owner in lora_layers and leaf == "weight":
-            yield f"{owner}.{leaf}", partial(_merged_module_weight, lora_layers[owner], dtype)
+            yield f"{owner}.{leaf}", lora_layers[owner], tensor.detach()
             continue
         tensor = tensor.detach()
-        if tensor.untyped_storage().data_ptr() in seen_storage:
+        if _storage_key(tensor) in seen_storage:
             continue
-        seen_storage.add(tensor.untyped_storage().data_ptr())
-        yield f"{owner}.{leaf}", partial(tensor.to, dtype if tensor.is_floating_point() else tensor.dtype)
+        seen_storage.add(_storage_key(tensor))
+        yield f"{owner}.{leaf}", None, tensor
 
 
-def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None
+def _out_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if tensor.is_floating_point() else tensor.dtype
+
+
+def merged_layout(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor `iter_merged_weights(model, dtype)` yields, in order, read
+    from the module tree alone (no weight is gathered or merged): a writer can lay out its files
+    before the first tensor arrives and then write each one as it comes."""
+    dtype = dtype or model_dtype(model)
+    return [(name, tuple(tensor.shape), _out_dtype(tensor, dtype)) for name, _, tensor in _weights(model)]
+
+
+def _merge_plan(model: nn.Module, dtype: torch.dtype, gather: Gather = _whole
+                ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF name, thunk producing the tensor) for every weight of the plain HF model, in order.
+
+    The inputs of each thunk are gathered while the plan is walked (in the walker's thread, one
+    weight after the other), so under FSDP2 every rank walking the plan runs the same gathers in
+    the same order; only the thunks (the merge arithmetic) run on other threads.
+    """
+    for name, lora_layer, tensor in _weights(model):
+        if lora_layer is not None:
+            yield name, partial(merge_weight, *_merge_inputs(lora_layer, gather), dtype)
+        else:
+            tensor = gather(tensor)
+            yield name, partial(tensor.to, _out_dtype(tensor, dtype))
+
+
+def run_merge_gathers(model: nn.Module, dtype: torch.dtype, gather: Gather) -> None:
+    """The gathers of `iter_merged_weights(model, dtype, gather=gather)` without the merges: what the
+    other ranks of an FSDP2 run execute while rank 0 merges and writes (each gathered weight is
+    dropped at once, so a rank holds one module's weight at a time)."""
+    for _ in _merge_plan(model, dtype, gather):
+        pass
+
+
+def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None, *, gather: Gather = _whole
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every weight of the plain HF model, LoRA merged in, in order.
 
@@ -92,11 +144,14 @@ def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None
     Args:
         model: a PeftModel (LoRA merged in) or a plain HF model (its weights as they are: full mode).
         dtype: output dtype; default the base model's dtype.
+        gather: a weight -> its whole tensor; on an FSDP2-sharded model
+            `graft.train.distributed.full_tensor`, and then every other rank must call
+            `run_merge_gathers` meanwhile (the gathers are collectives, one module at a time).
     """
     dtype = dtype or model_dtype(model)
     pending: deque[tuple[str, Future]] = deque()
     with ThreadPoolExecutor(max_workers=_MERGE_THREADS, thread_name_prefix="graft-merge") as pool:
-        for name, make in _merge_plan(model, dtype):
+        for name, make in _merge_plan(model, dtype, gather):
             pending.append((name, pool.submit(make)))
             if len(pending) > _LOOKAHEAD:
                 name, future = pending.popleft()

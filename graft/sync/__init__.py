@@ -1,5 +1,6 @@
 """Weight sync: get each new policy version from the trainer into every inference engine.
 
+source    what a sync reads of the policy: the model itself, or an FSDP2 run's sharded source
 publish   atomic, versioned, manifest-verified weight directories under RUN_DIR/weights
 inflight  which policy versions running requests still use (never unload one of those)
 adapter   adapter mode: load `<lora.name>-v<N>`, unload versions outside the retention window

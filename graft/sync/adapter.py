@@ -46,14 +46,13 @@ import logging
 import time
 from collections.abc import Iterable
 
-import peft
-
-from graft.lora.adapter_io import adapter_config_dict, adapter_state_dict, write_adapter_files
+from graft.lora.adapter_io import write_adapter_files
 from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
 from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.sync.inflight import InFlightVersions
 from graft.sync.publish import WeightPublisher, read_version
 from graft.sync.result import SyncResult
+from graft.sync.source import Policy, policy_source
 
 KIND = "adapter"
 
@@ -135,8 +134,11 @@ class AdapterSync:
         """Versions graft loaded and has not unloaded, oldest first (failed unloads included)."""
         return list(self._loaded)
 
-    async def sync(self, model: peft.PeftModel, version: int, step: int) -> SyncResult:
-        """Publish `model`'s adapter as `version`, load it, make it current, retire old versions.
+    async def sync(self, policy: Policy, version: int, step: int) -> SyncResult:
+        """Publish `policy`'s adapter as `version`, load it, make it current, retire old versions.
+
+        Only the LoRA tensors and the adapter config are read (`PolicySource.adapter`): an FSDP2
+        run's rank 0 publishes the LoRA weights it gathered after the step, with no model copy.
 
         May wait for running requests when all `max_loras` slots hold versions still in use.
 
@@ -150,7 +152,7 @@ class AdapterSync:
             if self._last_version is None:
                 await self._unload_stale()
             start = time.perf_counter()
-            tensors, config = adapter_state_dict(model), adapter_config_dict(model)
+            tensors, config = policy_source(policy).adapter()
             published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
                                                 lambda tmp: write_adapter_files(tensors, config, tmp),
                                                 protect=set(self._loaded))

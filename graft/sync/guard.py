@@ -10,46 +10,36 @@ refused version is not published; the engines keep serving the last good one.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from graft.lora.attach import lora_parameters
+from graft.sync.source import Policy, eval_mode, policy_source
 from graft.sync.verify import PROBE_PROMPT
+
+__all__ = ["NonFinitePolicyError", "check_finite_policy", "eval_mode"]
 
 
 class NonFinitePolicyError(ValueError):
     """The policy about to be published has non-finite weights or outputs."""
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """`model` in eval mode (no dropout, no RNG drawn) for the body, its own mode again after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def check_finite_policy(policy: nn.Module, version: int, probe: Sequence[int] = PROBE_PROMPT) -> None:
+def check_finite_policy(policy: Policy, version: int, probe: Sequence[int] = PROBE_PROMPT) -> None:
     """Refuse to publish `policy` as `version` unless its LoRA weights and its probe logits are finite.
+
+    On an FSDP2 run's rank 0 `policy` is the sharded source: the LoRA tensors are the ones gathered
+    after the step, and the probe forward is a collective every rank joins.
 
     Raises:
         NonFinitePolicyError: naming the first non-finite tensor, or the probe's logits.
     """
-    for name, param in lora_parameters(policy).items():
-        if not torch.isfinite(param.detach()).all():
+    source = policy_source(policy)
+    for name, tensor in source.lora_tensors().items():
+        if not torch.isfinite(tensor).all():
             raise NonFinitePolicyError(f"policy version {version} has NaN or infinite values in {name}: not "
                                        "published, the engines keep serving the last good version (the update "
                                        "diverged: lower train.lr)")
-    device = next(policy.parameters()).device
-    with eval_mode(policy), torch.no_grad():
-        logits = policy(input_ids=torch.tensor([list(probe)], device=device), use_cache=False).logits
-    if not torch.isfinite(logits).all():
+    if not source.probe_logits_finite(probe):
         raise NonFinitePolicyError(f"policy version {version} computes non-finite logits on the probe prompt "
                                    "(its weights are finite but too large): not published, the engines keep "
                                    "serving the last good version (the update diverged: lower train.lr)")

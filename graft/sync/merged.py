@@ -17,12 +17,12 @@ import time
 
 import peft
 import torch
-from torch import nn
 
 from graft.lora.export import write_merged_model
 from graft.rollout.engine import RolloutEngine
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
+from graft.sync.source import Policy, policy_source
 
 
 class MergedSync:
@@ -54,14 +54,22 @@ class MergedSync:
     async def close(self) -> None:
         """Nothing to unload: the engine keeps serving the last reloaded weights."""
 
-    async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
-        """Publish `model`'s weights as `version` and make every engine serve them."""
+    async def sync(self, policy: Policy, version: int, step: int) -> SyncResult:
+        """Publish `policy`'s weights as `version` and make every engine serve them.
+
+        The weights stream from `PolicySource.merged_weights` into the shards: in an FSDP2 run the
+        other ranks gather each module with rank 0, which merges and writes it (no model copy).
+        """
+        source = policy_source(policy)
+        model = source.model
         if (self.kind == "merged") != isinstance(model, peft.PeftModel):
             raise ValueError(f"{self.kind} sync needs {'a LoRA (PEFT) model' if self.kind == 'merged' else 'a model without LoRA'}"
                              f", got {type(model).__name__}")
         start = time.perf_counter()
-        published = self.publisher.publish(self.kind, version, step,
-                                           lambda out_dir: write_merged_model(model, out_dir, dtype=self.dtype))
+        published = self.publisher.publish(
+            self.kind, version, step,
+            lambda out_dir: write_merged_model(model, out_dir, dtype=self.dtype,
+                                               weights=source.merged_weights(self.dtype)))
         published_at = time.perf_counter()
         await self.engine.reload_weights(str(published.path))
         done = time.perf_counter()

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from torch import nn
-
 from graft.config import GraftConfig
 from graft.models.loading import resolve_dtype
 from graft.rollout.engine import RolloutEngine
@@ -27,6 +25,7 @@ from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
+from graft.sync.source import Policy
 
 # Merged weights are whole models: keep the one being served and the one before it on disk.
 _MERGED_ON_DISK = 2
@@ -38,8 +37,11 @@ class SyncMode(Protocol):
     name: str  # the `sync.mode` value and the metrics' `sync_mode`
     needs_engine_lock: bool  # True: a sync changes what running requests compute (hold the engine lock)
 
-    async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
-        """Publish `model` as `version` (trained at `step`) and make every engine serve it."""
+    async def sync(self, policy: Policy, version: int, step: int) -> SyncResult:
+        """Publish `policy` as `version` (trained at `step`) and make every engine serve it.
+
+        `policy` is read through `graft.sync.source.policy_source`: a model held whole, or an
+        FSDP2 run's sharded source (whose reads are collectives the other ranks join)."""
         ...
 
     def request_adapter(self, version: int) -> str | None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from torch import nn
-
 from graft.config import GraftConfig
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import live_engine_count
 from graft.sync.guard import check_finite_policy
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
+from graft.sync.source import Policy, policy_source
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
 
 
@@ -56,19 +55,23 @@ class PolicySync:
         """What requests for the newest synced version name (None before the first sync)."""
         return None if self.version is None else self.request_adapter(self.version)
 
-    async def __call__(self, model: nn.Module, version: int, step: int) -> dict:
-        """Publish `model` as `version`, apply it to every engine, verify; the step's sync metrics.
+    async def __call__(self, policy: Policy, version: int, step: int) -> dict:
+        """Publish `policy` as `version`, apply it to every engine, verify; the step's sync metrics.
+
+        `policy` is a model, or (an FSDP2 run's rank 0) a source whose forwards and merged stream
+        are collectives: the other ranks serve them meanwhile (`graft.train.sharded_source`).
 
         Raises:
-            NonFinitePolicyError: `model` is not finite (nothing is published; see graft.sync.guard).
+            NonFinitePolicyError: `policy` is not finite (nothing is published; see graft.sync.guard).
         """
-        check_finite_policy(model, version)
-        result = await self.mode.sync(model, version, step)
+        source = policy_source(policy)
+        check_finite_policy(source, version)
+        result = await self.mode.sync(source, version, step)
         self.version = version
         gap, verify_seconds = None, 0.0
         if self.verify:
             start = time.perf_counter()
-            gap = await verify_delivery(self.engine, model, adapter=result.adapter, tolerance=self.tolerance,
+            gap = await verify_delivery(self.engine, source, adapter=result.adapter, tolerance=self.tolerance,
                                         warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,

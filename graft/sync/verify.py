@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from torch import nn
-
-from graft.rl.logprobs import sequence_logprobs
 from graft.rollout.engine import EngineError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.pool import EnginePool, engine_address
+from graft.sync.source import Policy, PolicySource, policy_source
 
 # A fixed probe: token ids every tokenizer of a real model has; long enough to cross a KV block.
 PROBE_PROMPT = tuple(range(3, 3 + 24))
@@ -38,13 +36,14 @@ class DeliveryError(EngineError):
         self.gap = gap
 
 
-async def verify_delivery(engine: RolloutEngine, policy: nn.Module, *, adapter: str | None, tolerance: float,
+async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str | None, tolerance: float,
                           warn_only: bool = False, probe: Sequence[int] = PROBE_PROMPT) -> float:
     """Check every engine (each member of a pool) against `policy`; the largest log-prob gap seen.
 
     Args:
         engine: the engine or pool the sync just updated.
-        policy: the trainer's model in the state that was published (adapter enabled, if any).
+        policy: the trainer's policy in the state that was published (adapter enabled, if any): a
+            model, or a source (an FSDP2 run's rank 0: each probe forward is a collective).
         adapter: the name requests now use (adapter mode), or None (merged/full: the base name).
         tolerance: largest allowed |engine log-prob − trainer log-prob| on any probe token.
         warn_only: log a warning instead of raising.
@@ -53,10 +52,11 @@ async def verify_delivery(engine: RolloutEngine, policy: nn.Module, *, adapter: 
         DeliveryError: the adapter is not listed, or a gap exceeds `tolerance` (unless warn_only).
     """
     members = engine.engines if isinstance(engine, EnginePool) else [engine]
+    source = policy_source(policy)
     worst = 0.0
     for member in members:
         try:
-            worst = max(worst, await _verify_one(member, policy, adapter, tolerance, probe))
+            worst = max(worst, await _verify_one(member, source, adapter, tolerance, probe))
         except DeliveryError as error:
             if not warn_only:
                 raise
@@ -65,14 +65,14 @@ async def verify_delivery(engine: RolloutEngine, policy: nn.Module, *, adapter: 
     return worst
 
 
-async def _verify_one(engine: RolloutEngine, policy: nn.Module, adapter: str | None, tolerance: float,
+async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str | None, tolerance: float,
                       probe: Sequence[int]) -> float:
     address = engine_address(engine)
     if adapter is not None and adapter not in await engine.list_adapters():
         raise DeliveryError(f"adapter {adapter!r} is not loaded (the sync did not deliver it)", address=address)
     params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
     completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
-    trainer_logprobs = sequence_logprobs(policy, probe, completion.token_ids)
+    trainer_logprobs = source.logprobs(probe, completion.token_ids)
     gap = max(abs(a - b) for a, b in zip(completion.logprobs, trainer_logprobs))
     if gap > tolerance:
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "

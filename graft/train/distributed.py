@@ -227,3 +227,23 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
+    """Rank 0's `n` integers on every rank (`values` is None on the others): commands and token ids,
+    as tensors, never pickled."""
+    tensor = torch.tensor(list(values), dtype=torch.long) if values is not None else torch.zeros(n, dtype=torch.long)
+    assert tensor.numel() == n, (tensor.numel(), n)
+    return _broadcast(tensor).tolist()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters FSDP2 still holds after a forward without a backward: the root
+    unit keeps its own (embeddings, head) after each forward, expecting the backward, so after an
+    initialising, probe or verification forward every rank would hold them whole until the next step.
+    A no-op on a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,8 +1,10 @@
-"""The trained policy on one rank: the LoRA model (FSDP2-sharded over ranks), rank 0's unsharded
-copy that is published, the optimizer, and where the run stands — created fresh or resumed.
+"""The trained policy on one rank: the LoRA model (FSDP2-sharded over ranks), what the sync reads of
+it (`source`), the optimizer, and where the run stands — created fresh or resumed.
 
-Every method here is called in the same order on every rank (the update and the gather are
-collectives); rank 0's loop (`graft.train.trainer`) adds rollouts, sync and logging around them.
+No rank holds the model whole: rank 0 keeps its shard and the LoRA tensors gathered after each step,
+and the sync reads the rest through collectives (`graft.train.sharded_source`). Rank 0's loop
+(`graft.train.trainer`) calls `learn` and `maybe_checkpoint` and syncs through `source`; each of
+those announces its collective, and the other ranks, in `follow`, run the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from graft.config import GraftConfig
 from graft.lora.attach import lora_parameters
 from graft.lora.policy import build_policy
+from graft.sync.source import ModelSource, PolicySource
 from graft.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -22,8 +25,9 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize
+from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize, reshard
 from graft.train.rollout_batch import RolloutBatch
+from graft.train.sharded_source import Op, ShardedSource, announce, next_command, serve
 from graft.train.update import policy_update
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,7 @@ def learning_rate(config: GraftConfig, step: int) -> float:
 
 
 class PolicyState:
-    """Model, publish copy, optimizer and the run's position (`step`, `version`) on one rank.
+    """Model, sync source, optimizer and the run's position (`step`, `version`) on one rank.
 
     Args:
         pad_id: the tokenizer's pad token (batches are right-padded with it).
@@ -67,14 +71,16 @@ class PolicyState:
         self.checkpoints = run_dir / "checkpoints"
         self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
         parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing)
-        # Rank 0 publishes and verifies from an unsharded copy that receives the LoRA weights after
-        # each step (a LoRA-only gather); with one rank the model itself.
-        self.publish_model = build_policy(config.model, config.lora, config.train.seed) if ctx.active and ctx.is_main else self.model
+        reshard(self.model)  # only shards from here on (parallelize's initialising forward left the root whole)
+        # What the sync publishes and verifies (rank 0): with one rank the model itself; sharded, the
+        # LoRA weights gathered after each step (a LoRA-only gather) plus collectives for the rest.
+        self._lora: dict[str, torch.Tensor] = {}
+        self.source: PolicySource = ShardedSource(self.model, self._lora) if ctx.active else ModelSource(self.model)
         self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
         self.step, self.version = 0, 0
         if resume:  # a fresh start over checkpoints is refused by the caller, before it writes anything
             self._resume()
-            self._gather_for_publishing()
+        self._gather_for_publishing()
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads; a damaged one (a crash or a full disk while it was
@@ -95,6 +101,7 @@ class PolicyState:
     def learn(self, batch: RolloutBatch | None, step: int) -> dict:
         """Broadcast rank 0's batch, update on this rank's slice, gather the LoRA weights for
         publishing; the step's train metrics. `batch` is None on ranks > 0."""
+        self._announce(Op.LEARN, step)
         batch = broadcast_batch(batch, self.ctx)
         lr = learning_rate(self.config, step)
         for group in self.optimizer.param_groups:
@@ -108,17 +115,42 @@ class PolicyState:
         """A collective (all-gather of each LoRA shard) on every rank; rank 0 keeps the result."""
         if not self.ctx.active:
             return
-        targets = lora_parameters(self.publish_model) if self.ctx.is_main else {}
         with torch.no_grad():
             for name, param in lora_parameters(self.model).items():
                 full = full_tensor(param.detach())
-                if name in targets:
-                    targets[name].copy_(full)
+                if self.ctx.is_main:
+                    self._lora[name] = full
 
     def maybe_checkpoint(self, step: int) -> None:
         """Save RUN_DIR/checkpoints/step-N every `train.checkpoint_every` steps and at the last."""
+        self._announce(Op.CHECKPOINT, step)
         train = self.config.train
         if step == train.steps or (train.checkpoint_every and step % train.checkpoint_every == 0):
             save_checkpoint(self.checkpoints, self.model, self.optimizer,
                             {"step": step, "policy_version": self.version, "data_cursor": step * train.batch_prompts},
                             step=step, keep=train.keep_checkpoints, write=self.ctx.is_main)
+
+    def _announce(self, op: Op, *args: int) -> None:
+        """Rank 0 of a sharded run: the other ranks (in `follow`) join this call next."""
+        if self.ctx.active and self.ctx.is_main:
+            announce(op, *args)
+
+    def follow(self) -> None:
+        """Ranks > 0: join rank 0's collectives (updates, checkpoints, the sync's reads of the sharded
+        model), in the order it announces them, until it calls `release_followers`."""
+        assert self.ctx.active and not self.ctx.is_main
+        while True:
+            op, args = next_command()
+            if op is Op.STOP:
+                return
+            if op is Op.LEARN:
+                self.learn(None, args[0])
+            elif op is Op.CHECKPOINT:
+                self.maybe_checkpoint(args[0])
+            else:
+                serve(self.model, op, args)
+
+    def release_followers(self) -> None:
+        """Rank 0, when its loop is done: the other ranks leave `follow`. Only called between
+        collectives (after an error mid-collective rank 0 exits instead, and torchrun stops the rest)."""
+        self._announce(Op.STOP)

@@ -69,10 +69,10 @@ class _Leader:
         first_step = policy.step + 1
         try:
             sync.discard_from(policy.version)  # what an earlier (interrupted) run published from here on
-            await sync(policy.publish_model, policy.version, step=policy.step)
+            await sync(policy.source, policy.version, step=policy.step)
             if first_step == 1:
                 self.log.add_eval(0, await self._evaluate())
-            trainable, total = count_parameters(policy.publish_model)
+            trainable, total = count_parameters(policy.model)
             print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
                   f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
             producer = RolloutProducer(self._make_batch, max_staleness=config.rollout.max_staleness,
@@ -102,7 +102,7 @@ class _Leader:
         # middle of a batch: its samples would mix two versions.
         lock = producer.engine_lock if sync.mode.needs_engine_lock else contextlib.nullcontext()
         async with lock:
-            sync_metrics = await sync(policy.publish_model, step, step=step)
+            sync_metrics = await sync(policy.source, step, step=step)
         await producer.published(step)
         await asyncio.to_thread(policy.maybe_checkpoint, step)
         now = time.perf_counter()
@@ -188,12 +188,12 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
             task = _load_task(config)
             policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
             if not ctx.is_main:
-                for step in range(policy.step + 1, config.train.steps + 1):  # the same collectives as rank 0
-                    policy.learn(None, step)
-                    policy.maybe_checkpoint(step)
+                policy.follow()  # the collectives rank 0 announces: updates, checkpoints, the sync's reads
                 return {}
             async with open_engine(config, run_dir) as engine:
-                return await _Leader(config, run_dir, policy, task, engine).run()
+                result = await _Leader(config, run_dir, policy, task, engine).run()
+            policy.release_followers()
+            return result
     finally:
         shutdown_distributed(ctx)
 

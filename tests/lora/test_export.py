@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from graft.cli import main
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, save_adapter
 from graft.lora.export import SAFE_INDEX, save_merged_model, write_safetensors_shards
-from graft.lora.merge import iter_merged_weights
+from graft.lora.merge import iter_merged_weights, merged_layout
+from graft.lora.stream_write import TensorStream
 from graft.models.loading import load_model
 from tests.helpers import trained_like_peft_model
 
@@ -74,6 +76,44 @@ def test_small_max_shard_bytes_writes_numbered_shards_and_a_complete_index(tiny_
         assert shard_bytes <= max_shard_bytes or len(shard) == 1, name
         for key, tensor in shard.items():
             assert torch.equal(tensor, expected[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_shard_bytes", [2 << 30, 100_000, 1])
+def test_a_stream_with_its_layout_is_written_tensor_by_tensor_into_save_files_bytes(tiny_model_dirs, tmp_path,
+                                                                                   dtype, max_shard_bytes):
+    """Merged weights written one tensor at a time (header first, each tensor at its offset) are the
+    files `save_file` writes from whole shards, byte for byte; the writer holds one tensor, not a shard."""
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"])
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "streamed").mkdir()
+    refs, alive = [], []  # how many earlier tensors are still referenced when the next one comes
+
+    def watched():
+        for name, tensor in iter_merged_weights(model, dtype):
+            alive.append(sum(ref() is not None for ref in refs))
+            refs.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    whole = write_safetensors_shards(iter_merged_weights(model, dtype), tmp_path / "whole", max_shard_bytes)
+    streamed = write_safetensors_shards(TensorStream(merged_layout(model, dtype), watched()),
+                                        tmp_path / "streamed", max_shard_bytes)
+    files = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    assert streamed == whole and {p.name: p.read_bytes() for p in (tmp_path / "streamed").iterdir()} == files
+    assert len(alive) == len(merged_layout(model, dtype)) and max(alive) <= 1, alive
+
+
+def test_a_stream_that_breaks_its_layout_is_refused(tiny_model_dirs, tmp_path):
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"])
+    layout = merged_layout(model)
+    swapped = [layout[1], layout[0], *layout[2:]]
+    with pytest.raises(ValueError, match="does not match its layout"):
+        write_safetensors_shards(TensorStream(swapped, iter_merged_weights(model)), tmp_path)
+    with pytest.raises(ValueError, match="does not match its layout"):
+        write_safetensors_shards(TensorStream(layout, list(iter_merged_weights(model))[:-1]), tmp_path)
+    with pytest.raises(ValueError, match="runs past its layout"):
+        write_safetensors_shards(TensorStream(layout[:-1], iter_merged_weights(model)), tmp_path)
 
 
 def test_sharded_merged_model_loads_with_from_pretrained(tiny_model_dirs, tmp_path, input_ids):

@@ -124,11 +124,15 @@ def _graft_train(run_dir, overrides, nproc: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path, mode):
     """The acceptance check: `torchrun --nproc-per-node 2 graft train` gives the same losses as one
-    process (<= 1e-5) on the same data; rank 0 alone talks to the engine and writes the run dir."""
-    overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", "train.steps=3",
-                 "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.kl_coef=0.05",
+    process (<= 1e-5) on the same data; rank 0 alone talks to the engine and writes the run dir. In
+    both sync modes, rank 0 publishing and verifying from the sharded model (the other ranks joining
+    its merged stream and forwards)."""
+    overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", f"sync.mode={mode}",
+                 "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4",
+                 "train.kl_coef=0.05",
                  "train.lr=5e-3", "lora.rank=4", "train.eval_examples=2", "data.reward=format"]
     one = _graft_train(tmp_path / "one", overrides, nproc=1)
     two = _graft_train(tmp_path / "two", overrides, nproc=2)
@@ -137,7 +141,8 @@ def test_graft_train_under_torchrun_matches_one_rank(base_dir, tmp_path):
         assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
         for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
-        assert b["sync_logprob_abs_diff_max"] < 1e-4  # rank 0's unsharded copy serves what the shards trained
+        assert b["sync_logprob_abs_diff_max"] < 1e-4  # the engine serves what the shards trained
+        assert b["sync_bytes"] == a["sync_bytes"] and b["sync_mode"] == mode
 
 
 # Adam lr 1e-3 (not 1e-2): see the weight tolerance above.

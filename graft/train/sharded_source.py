@@ -1,0 +1,123 @@
+"""An FSDP2 run's side of the sync: rank 0 reads the sharded policy, the other ranks join each read.
+
+No rank holds the model whole. Rank 0 keeps its shard and the LoRA tensors gathered after each step
+(megabytes); that is all adapter publishing needs. The reads that need base weights are collectives
+over the sharded model, and every rank runs them:
+
+- merged publishing streams module by module: every rank gathers each module's base weight (and its
+  LoRA factors) whole with `full_tensor`, rank 0 merges it (graft's fp32 zero-drift merge, the
+  one-process code on the same whole tensors, so the bytes are the one-process run's) and writes it;
+- the non-finite guard and delivery verification run their forward on the sharded model: rank 0
+  broadcasts the tokens (the probe; the engine's greedy completion of it, known only after the sync),
+  every rank runs the forward, rank 0 compares. Verification thus still checks the policy just
+  published, after every sync and before any rollout uses it, on the model the next step trains.
+
+Rank 0 drives; the others wait in `PolicyState.follow` for its commands. Every collective outside
+the update's own is announced by one small broadcast (`Op` and its integer arguments), and the
+followers run the same function as rank 0 on their shard. The order of collectives is therefore the
+same on every rank by construction, whatever rank 0's control flow decides (verification on or off,
+a pool that dropped a member verifies on fewer engines, a refused version stops before publishing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from enum import IntEnum
+
+import torch
+from torch import nn
+
+from graft.lora.adapter_io import adapter_config_dict, adapter_tensors
+from graft.lora.merge import iter_merged_weights, run_merge_gathers
+from graft.models.loading import model_dtype
+from graft.rl.logprobs import sequence_logprobs
+from graft.sync.source import probe_logits_finite
+from graft.train.distributed import broadcast_ints, full_tensor, reshard
+
+# Merged weights travel in one of these (its index is the command's argument).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_ARGS = 3  # integer arguments of every command
+
+
+class Op(IntEnum):
+    """What rank 0 asks the other ranks to join next."""
+
+    STOP = 0  # the run is over: leave `follow`
+    LEARN = 1  # (step): `PolicyState.learn`
+    CHECKPOINT = 2  # (step): `PolicyState.maybe_checkpoint`
+    MERGED = 3  # (dtype index): the gathers of the merged stream
+    LOGPROBS = 4  # (prompt length, completion length): a teacher-forced forward
+    PROBE = 5  # (probe length): the guard's forward
+
+
+def announce(op: Op, *args: int) -> None:
+    """Rank 0: tell the other ranks which collective comes next."""
+    broadcast_ints([int(op), *args, *[0] * (_ARGS - len(args))], 1 + _ARGS)
+
+
+def next_command() -> tuple[Op, list[int]]:
+    """Ranks > 0: wait for rank 0's next command."""
+    op, *args = broadcast_ints(None, 1 + _ARGS)
+    return Op(op), args
+
+
+class ShardedSource:
+    """Rank 0's `graft.sync.source.PolicySource` over an FSDP2-sharded policy (see the module docstring).
+
+    Args:
+        model: the sharded PEFT model (its tree gives configs and names; its shards the base weights).
+        lora: the LoRA tensors gathered after the last step, by training name; the owner updates it
+            in place (`PolicyState`).
+    """
+
+    def __init__(self, model: nn.Module, lora: dict[str, torch.Tensor]) -> None:
+        self.model = model
+        self._lora = lora
+
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._lora)
+
+    def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """From the gathered LoRA tensors: no collective, no base weight read."""
+        config = adapter_config_dict(self.model)  # checks the model is a LoRA PEFT model first
+        return adapter_tensors(self._lora, dtype or model_dtype(self.model)), config
+
+    def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Announced when the writer starts reading: the other ranks gather module by module with us."""
+        announce(Op.MERGED, _DTYPES.index(dtype))
+        yield from iter_merged_weights(self.model, dtype, gather=full_tensor)
+
+    def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
+        announce(Op.LOGPROBS, len(prompt), len(completion))
+        return _logprobs(self.model, [*prompt, *completion], len(prompt), len(completion))
+
+    def probe_logits_finite(self, probe: Sequence[int]) -> bool:
+        announce(Op.PROBE, len(probe))
+        return _probe(self.model, list(probe), len(probe))
+
+
+def _logprobs(model: nn.Module, ids: list[int] | None, n_prompt: int, n_completion: int) -> list[float]:
+    """Every rank: rank 0's prompt + completion, teacher-forced on the sharded model."""
+    ids = broadcast_ints(ids, n_prompt + n_completion)
+    logprobs = sequence_logprobs(model, ids[:n_prompt], ids[n_prompt:])
+    reshard(model)  # no backward follows: drop the root unit's whole weights now
+    return logprobs
+
+
+def _probe(model: nn.Module, probe: list[int] | None, n: int) -> bool:
+    """Every rank: rank 0's probe, one eval-mode forward on the sharded model."""
+    finite = probe_logits_finite(model, broadcast_ints(probe, n))
+    reshard(model)  # no backward follows: drop the root unit's whole weights now
+    return finite
+
+
+def serve(model: nn.Module, op: Op, args: list[int]) -> None:
+    """Ranks > 0: join the sync collective `op` that rank 0 announced (its results are rank 0's)."""
+    if op is Op.MERGED:
+        run_merge_gathers(model, _DTYPES[args[0]], full_tensor)
+    elif op is Op.LOGPROBS:
+        _logprobs(model, None, args[0], args[1])
+    elif op is Op.PROBE:
+        _probe(model, None, args[0])
+    else:
+        raise ValueError(f"not a sync collective: {op!r}")
