@@ -137,13 +137,14 @@ def print_memory_report(result: dict) -> None:
         table.add_column(column, justify="right")
     for s in result["shapes"]:
         sides = [("graft", s["graft_model_bytes"], s["graft_above_model_bytes"], s["graft_seconds"], "token budget")]
-        sides += [(f"TRL {config}" + (" +ckpt" if t["gradient_checkpointing"] else ""), t["model_bytes"],
-                   t["above_model_bytes"], t["seconds"],
-                   f"{t['gradient_accumulation_steps']} x {t['per_device_train_batch_size']}")
+        sides += [(f"TRL {config}" + (" +ckpt" if t and t["gradient_checkpointing"] else ""),
+                   t and t["model_bytes"], t and t["above_model_bytes"], t and t["seconds"],
+                   f"{t['gradient_accumulation_steps']} x {t['per_device_train_batch_size']}" if t else "")
                   for config, t in s["trl"].items()]
         for side, model_bytes, above_bytes, seconds, micro in sides:
-            table.add_row(s["name"], side, str(s["sequences"]), f"{s['tokens']:,}", micro, f"{model_bytes / 2**30:.2f}",
-                          f"{above_bytes / 2**30:.2f}", f"{seconds:.0f}")
+            numbers = ([f"{model_bytes / 2**30:.2f}", f"{above_bytes / 2**30:.2f}", f"{seconds:.0f}"]
+                       if model_bytes is not None else ["failed", "failed", "failed"])
+            table.add_row(s["name"], side, str(s["sequences"]), f"{s['tokens']:,}", micro, *numbers)
     Console().print(table)
 
 
