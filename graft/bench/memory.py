@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, QWEN_SHAPE, build_model, memory_batch
-from graft.bench.trl_env import run_trl, trl_python
+from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS
 
 # The batch per shape: 32 sequences (16,384 tokens) at 2 layers; 8 (one group, 4,096 tokens) at the
@@ -81,11 +81,17 @@ def measure_trl(python: Path, spec: dict, config: str, work_dir: Path) -> dict:
     return run_trl(python, {**spec, "config": config}, work_dir / config, module="graft.bench.trl_memory_worker")
 
 
-def _measured(label: str, shape: dict, tokens: int, console: Console, measure) -> dict:
-    """Runs one measurement with a progress line before and after (each takes minutes)."""
+def _measured(label: str, shape: dict, tokens: int, console: Console, measure) -> dict | None:
+    """Runs one measurement with a progress line before and after (each takes minutes). A process
+    that fails (e.g. killed for memory on a shared machine) is reported and gives None: the other
+    measurements still run."""
     console.print(f"measuring {label} at {shape['name']} ({shape['sequences']} sequences, {tokens:,} tokens) "
                   "in a fresh process...")
-    result = measure()
+    try:
+        result = measure()
+    except (TrlEnvError, subprocess.CalledProcessError) as e:
+        console.print(f"  {label} failed: {e}")
+        return None
     console.print(f"  {label}: {(result['peak_bytes'] - result['model_bytes']) / 2**30:.2f} GiB above the model, "
                   f"{result['seconds']:.0f} s")
     return result
@@ -95,10 +101,11 @@ def _shape_row(shape: dict, spec: dict, overrides: list[str], python: Path | Non
                console: Console) -> dict:
     tokens = shape["sequences"] * spec["prompt_tokens"] + sum(
         spec["completion_tokens"][i % len(spec["completion_tokens"])] for i in range(shape["sequences"]))
-    graft = _measured("graft", shape, tokens, console, lambda: measure_graft(spec, overrides))
-    row = {**shape, "vocab": spec["dims"]["vocab"], "sequences": shape["sequences"], "tokens": graft["tokens"],
-           "graft_model_bytes": graft["model_bytes"], "graft_peak_bytes": graft["peak_bytes"],
-           "graft_above_model_bytes": graft["peak_bytes"] - graft["model_bytes"], "graft_seconds": graft["seconds"],
+    graft = _measured("graft", shape, tokens, console, lambda: measure_graft(spec, overrides)) or {}
+    row = {**shape, "vocab": spec["dims"]["vocab"], "sequences": shape["sequences"], "tokens": tokens,
+           "graft_model_bytes": graft.get("model_bytes"), "graft_peak_bytes": graft.get("peak_bytes"),
+           "graft_above_model_bytes": graft["peak_bytes"] - graft["model_bytes"] if graft else None,
+           "graft_seconds": graft.get("seconds"),
            "trl_model_bytes": None, "trl_peak_bytes": None, "trl_above_model_bytes": None, "trl_seconds": None,
            "trl": {}}
     if python is None:
@@ -106,10 +113,11 @@ def _shape_row(shape: dict, spec: dict, overrides: list[str], python: Path | Non
     for config in CONFIGS:
         trl = _measured(f"TRL ({config})", shape, tokens, console,
                         lambda: measure_trl(python, spec, config, work_dir / shape["name"]))
-        row["trl"][config] = {**trl, "above_model_bytes": trl["peak_bytes"] - trl["model_bytes"]}
+        row["trl"][config] = {**trl, "above_model_bytes": trl["peak_bytes"] - trl["model_bytes"]} if trl else None
     defaults = row["trl"]["trl-defaults"]
-    row.update(trl_model_bytes=defaults["model_bytes"], trl_peak_bytes=defaults["peak_bytes"],
-               trl_above_model_bytes=defaults["above_model_bytes"], trl_seconds=defaults["seconds"])
+    if defaults:
+        row.update(trl_model_bytes=defaults["model_bytes"], trl_peak_bytes=defaults["peak_bytes"],
+                   trl_above_model_bytes=defaults["above_model_bytes"], trl_seconds=defaults["seconds"])
     return row
 
 
@@ -127,7 +135,7 @@ def run_memory_bench(layers: tuple[int, ...] = (2,), overrides: list[str] | None
         for shape in shapes:
             if shape["layers"] in layers:
                 rows.append(_shape_row(shape, worker_spec(shape, dims), overrides or [], python, Path(work), console))
-    trl_version = next((t["trl_version"] for r in rows for t in r["trl"].values()), None)
+    trl_version = next((t["trl_version"] for r in rows for t in r["trl"].values() if t), None)
     return {"overrides": overrides or [], "trl_version": trl_version, "shapes": rows}
 
 

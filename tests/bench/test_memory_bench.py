@@ -10,7 +10,7 @@ import pytest
 from graft.bench import memory
 from graft.bench.memory import SHAPES, run_memory_bench, worker_spec
 from graft.bench.memory_shape import QWEN_SHAPE, memory_batch, trl_generation_batch, unpadded_rows
-from graft.bench.trl_env import run_trl, trl_python
+from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS, trl_memory_arguments
 from graft.cli import main
 from graft.config import load_config
@@ -69,13 +69,13 @@ def test_command_writes_graft_and_both_trl_configurations_per_shape(monkeypatch,
 
     monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
     monkeypatch.setattr(memory, "measure_graft",
-                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "tokens": 999})
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "tokens": 4096})
     monkeypatch.setattr(memory, "measure_trl", fake_trl)
     out = tmp_path / "memory.json"
     assert main(["bench", "memory", "--layers", "24", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["shapes"]
     assert (row["name"], row["layers"], row["vocab"], row["sequences"], row["tokens"]) == (
-        "qwen2.5-0.5b-shape", 24, 151_936, 8, 999)
+        "qwen2.5-0.5b-shape", 24, 151_936, 8, 4096)
     assert (row["graft_peak_bytes"], row["graft_above_model_bytes"], row["graft_seconds"]) == (20, 10, 2.0)
     assert (row["trl_peak_bytes"], row["trl_above_model_bytes"], row["trl_seconds"]) == (40, 30, 3.0)  # TRL's defaults
     assert set(row["trl"]) == set(CONFIGS) and row["trl"]["graft-settings"]["above_model_bytes"] == 20
@@ -104,3 +104,21 @@ def test_trl_worker_trains_on_graft_batch(tmp_path):
         assert result["optimizer_steps"] == 1 and result["tokens"] == 216
         assert result["gradient_checkpointing"] is (config == "trl-defaults")
         assert result["peak_bytes"] >= result["model_bytes"] > 0 and result["seconds"] > 0
+
+
+def test_a_killed_measurement_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    def trl_killed_for_graft_settings(python, spec, config, work_dir):
+        if config == "graft-settings":
+            raise TrlEnvError("the TRL run failed (exit -9)")
+        return {"config": config, "model_bytes": 10, "peak_bytes": 40, "seconds": 3.0, "gradient_checkpointing": True,
+                "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "trl_version": "1.16.0"}
+
+    monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
+    monkeypatch.setattr(memory, "measure_graft",
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "tokens": 16_384})
+    monkeypatch.setattr(memory, "measure_trl", trl_killed_for_graft_settings)
+    result = run_memory_bench(layers=(2,))
+    (row,) = result["shapes"]
+    assert row["trl"]["graft-settings"] is None and row["trl_above_model_bytes"] == 30
+    memory.print_memory_report(result)
+    assert "TRL (graft-settings) failed: the TRL run failed (exit -9)" in capsys.readouterr().err
