@@ -46,15 +46,18 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
+    from graft.train.distributed import Dist, parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 
+    train = load_config(None, overrides).train
     model = attach_lora(build_model(spec["dims"], spec["layers"]), rank=16, alpha=32, seed=0)
+    # As the trainer sets the model up: train.activation_checkpointing takes effect here, not in policy_update.
+    parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing)
     model_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows, rewards_PG = memory_batch(spec["sequences"], spec["dims"]["vocab"], spec["prompt_tokens"],
                                     tuple(spec["completion_tokens"]))
     batch = RolloutBatch(rows, [[-5.0] * len(c) for _, c in rows], rewards_PG, version=0, seconds=0.0)
-    train = load_config(None, overrides).train
     optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-4)
     start = time.perf_counter()
     metrics = policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
