@@ -64,7 +64,8 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     seconds = time.perf_counter() - start
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"model_bytes": model_bytes, "peak_bytes": peak_bytes, "seconds": seconds,
-            "tokens": sum(len(p) + len(c) for p, c in rows), "optimizer_steps": metrics["optimizer_steps"]}
+            "tokens": sum(len(p) + len(c) for p, c in rows), "optimizer_steps": metrics["optimizer_steps"],
+            "activation_checkpointing": model.is_gradient_checkpointing}
 
 
 def worker_spec(shape: dict, dims: dict = QWEN_SHAPE) -> dict:
@@ -109,6 +110,7 @@ def _shape_row(shape: dict, spec: dict, overrides: list[str], python: Path | Non
            "graft_model_bytes": graft.get("model_bytes"), "graft_peak_bytes": graft.get("peak_bytes"),
            "graft_above_model_bytes": graft["peak_bytes"] - graft["model_bytes"] if graft else None,
            "graft_seconds": graft.get("seconds"),
+           "graft_activation_checkpointing": graft.get("activation_checkpointing"),
            "trl_model_bytes": None, "trl_peak_bytes": None, "trl_above_model_bytes": None, "trl_seconds": None,
            "trl": {}}
     if python is None:

@@ -90,6 +90,11 @@ def test_graft_only_run_measures_a_tiny_shape_in_a_fresh_process():
     assert row["tokens"] == 16 * 6 + 8 * 10 + 8 * 5 and row["vocab"] == 500
     assert row["graft_peak_bytes"] >= row["graft_model_bytes"] > 0 and row["graft_seconds"] > 0
     assert row["trl_peak_bytes"] is None and row["trl_seconds"] is None and row["trl"] == {}
+    assert row["graft_activation_checkpointing"] is False  # graft's default
+    # The override reaches the model, set up as the trainer sets it up.
+    (checkpointed,) = run_memory_bench(layers=(1,), overrides=["train.activation_checkpointing=true"], with_trl=False,
+                                       shapes=(TINY,), dims=TINY_DIMS)["shapes"]
+    assert checkpointed["graft_activation_checkpointing"] is True
 
 
 @pytest.mark.trl
