@@ -214,7 +214,9 @@ def _add_bench_command(sub) -> None:
                                    "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
                                    "failed requests, adapters loaded at most, server RSS growth. "
                                    "memory: peak RSS and seconds of one GRPO update at the Qwen2.5-0.5B shape "
-                                   "(--layers, default 2; real vocabulary). "
+                                   "with the real vocabulary (--layers 2: 32 sequences, the default; --layers 24: "
+                                   "8 sequences), graft vs TRL GRPOTrainer + PEFT on the same weights and token "
+                                   "ids (TRL's defaults, and TRL with graft's settings), each in a fresh process. "
                                    "step: one whole `graft train` step (vLLM rollout of 64 x 256 tokens, update, "
                                    "adapter sync, verification) at the Qwen2.5-0.5B shape (--layers, default 24), "
                                    "default config; seconds per phase, peak memory. Results and how to read "
@@ -238,6 +240,7 @@ def _add_bench_command(sub) -> None:
                    help="merge: PEFT merge/unmerge cycles for the drift measurement (default 50); "
                         "soak: adapter syncs (default 1000)")
     p.add_argument("--concurrency", type=int, default=8, help="soak: concurrent request streams (default 8)")
+    p.add_argument("--no-trl", action="store_true", help="memory: measure graft only (no TRL virtualenv)")
     p.set_defaults(func=cmd_bench)
 
 

@@ -69,7 +69,7 @@ def _bench_soak(args: argparse.Namespace) -> dict:
 def _bench_memory(args: argparse.Namespace) -> dict:
     from graft.bench.memory import print_memory_report, run_memory_bench
 
-    result = run_memory_bench(layers=(args.layers or 2,))
+    result = run_memory_bench(layers=(args.layers or 2,), with_trl=not args.no_trl)
     print_memory_report(result)
     return result
 

@@ -63,13 +63,14 @@ def worker_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
 
 
-def run_trl(python: Path, spec: dict, work_dir: Path) -> dict:
-    """Runs `graft.bench.trl_worker` on `spec` in the TRL venv; its result (see the worker)."""
+def run_trl(python: Path, spec: dict, work_dir: Path, module: str = "graft.bench.trl_worker") -> dict:
+    """Runs the worker `module` (`python -m MODULE SPEC.json OUT.json`) on `spec` in the TRL venv; its
+    result (see the worker)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, log = work_dir / "spec.json", work_dir / "result.json", work_dir / "trl.log"
     spec_path.write_text(json.dumps(spec, indent=1))
     with open(log, "w") as out:
-        code = subprocess.run([str(python), "-m", "graft.bench.trl_worker", str(spec_path), str(out_path)],
+        code = subprocess.run([str(python), "-m", module, str(spec_path), str(out_path)],
                               stdout=out, stderr=subprocess.STDOUT, env=worker_environment(), cwd=work_dir).returncode
     if code:
         tail = "\n".join(log.read_text().splitlines()[-15:])
