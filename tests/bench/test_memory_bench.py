@@ -107,7 +107,7 @@ def test_trl_worker_trains_on_graft_batch(tmp_path):
         # Every row TRL's loss saw (shuffled, split into micro-batches) is one of graft's, each once.
         assert Counter(json.dumps(r) for r in result["batch"]) == Counter(json.dumps(list(r)) for r in rows)
         assert result["optimizer_steps"] == 1 and result["tokens"] == 216
-        assert result["gradient_checkpointing"] is (config == "trl-defaults")
+        assert result["gradient_checkpointing"] is True  # TRL's default, and graft's
         assert result["peak_bytes"] >= result["model_bytes"] > 0 and result["seconds"] > 0
 
 
