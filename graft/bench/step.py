@@ -127,6 +127,6 @@ def print_step_report(result: dict) -> None:
         table.add_row(phase.removesuffix("_seconds"), f"{row[phase]:.1f}")
     table.add_row("whole run (server start, evaluations, step)", f"{result['wall_seconds']:.0f}")
     Console().print(table)
-    Console().print(f"peak resident memory: trainer {result['trainer_peak_bytes'] / 2**30:.2f} GiB, vLLM server "
-                    f"{result['engines_peak_bytes'] / 2**30:.2f} GiB, together {result['total_peak_bytes'] / 2**30:.2f} "
-                    f"GiB; delivery gap {row['sync_logprob_abs_diff_max']}")
+    gib = {k: result[f"{k}_peak_bytes"] / 2**30 for k in ("trainer", "engines", "total")}
+    Console().print(f"peak resident memory: trainer {gib['trainer']:.2f} GiB, vLLM server {gib['engines']:.2f} GiB, "
+                    f"together {gib['total']:.2f} GiB; delivery gap {row['sync_logprob_abs_diff_max']}")

@@ -166,6 +166,7 @@ def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
     # (a RuntimeError at the first backward). One token, adapter on, on every rank, now.
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ctx.device), use_cache=False)
+    reshard(model)
     return model
 
 

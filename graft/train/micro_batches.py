@@ -43,7 +43,7 @@ def _laid_out_tokens(lengths: list[int], packed: bool) -> int:
     return longest * (len(first_fit_rows(lengths, longest)) if packed else len(lengths))
 
 
-def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
+def micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> list[list[int]]:
     """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
     `train.max_tokens_per_micro_batch` laid-out tokens each (`_laid_out_tokens`: padding counts, and
     packing needs fewer rows); a row longer than the budget goes alone. Activation memory scales
@@ -63,12 +63,12 @@ def _micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> 
     return out
 
 
-def _equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch,
+def equalized(rows_by_rank: list[list[int]], stand_in: int, batch: RolloutBatch,
                train: TrainConfig) -> list[Micros]:
     """Each rank's micro-batches of its rows, as many as the rank with the most, so FSDP2's
     collectives (one all-gather per forward, one reduce-scatter per backward) line up: a rank with
     fewer runs stand-in micro-batches of the one row `stand_in`, whose loss counts zero."""
-    per_rank = [_micro_batches(rows, batch, train) for rows in rows_by_rank]
+    per_rank = [micro_batches(rows, batch, train) for rows in rows_by_rank]
     count = max(1, *(len(micros) for micros in per_rank))
     return [[(rows, 1.0) for rows in micros] + [([stand_in], 0.0)] * (count - len(micros)) for micros in per_rank]
 
@@ -90,7 +90,7 @@ def plan_by_rank(minis: list[list[int]], batch: RolloutBatch, train: TrainConfig
                  ) -> list[list[Micros]]:
     """Every rank's micro-batches of every mini-batch (`[rank][mini]`), computed once: each rank
     needs the others' micro-batch counts (equalized) and the rows they touch (the log-prob cache)."""
-    by_mini = [_equalized(_rows_by_rank(mini, batch, world_size), mini[0], batch, train) for mini in minis]
+    by_mini = [equalized(_rows_by_rank(mini, batch, world_size), mini[0], batch, train) for mini in minis]
     return [[plans[rank] for plans in by_mini] for rank in range(world_size)]
 
 

@@ -25,7 +25,7 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize, reshard
+from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.sharded_source import Op, ShardedSource, announce, next_command, serve
 from graft.train.update import policy_update
@@ -71,7 +71,6 @@ class PolicyState:
         self.checkpoints = run_dir / "checkpoints"
         self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
         parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing)
-        reshard(self.model)  # only shards from here on (parallelize's initialising forward left the root whole)
         # What the sync publishes and verifies (rank 0): with one rank the model itself; sharded, the
         # LoRA weights gathered after each step (a LoRA-only gather) plus collectives for the rest.
         self._lora: dict[str, torch.Tensor] = {}

@@ -27,7 +27,7 @@ from graft.rl.advantages import group_advantages
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
 from graft.train.distributed import Dist, full_tensor
-from graft.train.micro_batches import Micros, _equalized, lay_out, plan_by_rank, scored
+from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
 
 
@@ -67,7 +67,7 @@ class _LogprobCache:
         # every other rank's.
         rows_by_rank = [list(dict.fromkeys(r for micros in plan for rows, _ in micros for r in rows))
                         for plan in plans_by_rank]
-        parts = [rows for rows, _ in _equalized(rows_by_rank, rows_by_rank[0][0], batch, train)[rank]]
+        parts = [rows for rows, _ in equalized(rows_by_rank, rows_by_rank[0][0], batch, train)[rank]]
         for r in {r for rows in parts for r in rows}:
             self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=torch.float32, device=device)
         ref_needed = bool(train.kl_coef)

@@ -15,8 +15,8 @@ from graft.bench.trl_memory_worker import CONFIGS, trl_memory_arguments
 from graft.cli import main
 from graft.config import load_config
 from graft.quickstart.base import default_cache_dir
+from graft.train.micro_batches import micro_batches
 from graft.train.rollout_batch import RolloutBatch
-from graft.train.micro_batches import _micro_batches
 
 TINY_DIMS = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 500}
 TINY = {"name": "tiny", "layers": 1, "sequences": 16, "prompt_tokens": 6, "completion_tokens": [10, 5]}
@@ -51,7 +51,7 @@ def test_trl_configurations_take_one_step_over_the_batch_and_differ_as_stated():
         assert graft_like["gradient_checkpointing"] is train.activation_checkpointing is True
         assert graft_like["per_device_train_batch_size"] == 8 and 8 * 640 <= train.max_tokens_per_micro_batch
     rows, rewards_PG = memory_batch(32, QWEN_SHAPE["vocab"])
-    plan = _micro_batches(list(range(32)), RolloutBatch(rows, [[]] * 32, rewards_PG, 0, 0.0), train)
+    plan = micro_batches(list(range(32)), RolloutBatch(rows, [[]] * 32, rewards_PG, 0, 0.0), train)
     assert [len(m) for m in plan] == [12, 12, 8]  # graft's own split of the same batch
 
 

@@ -130,7 +130,7 @@ def test_the_update_never_holds_more_than_one_chunk_of_float32_vocab_logits():
 
 
 def test_micro_batches_respect_the_token_budget_and_the_row_limit():
-    from graft.train.micro_batches import _micro_batches
+    from graft.train.micro_batches import micro_batches
     from graft.train.rollout_batch import RolloutBatch
 
     lengths = [(3, 2), (2, 2), (6, 4), (1, 1), (4, 4), (2, 1)]  # sequence lengths 5, 4, 10, 2, 8, 3
@@ -138,13 +138,13 @@ def test_micro_batches_respect_the_token_budget_and_the_row_limit():
                          torch.zeros(2, 3), version=0, seconds=0.0)
     config = load_config(None, ["train.max_tokens_per_micro_batch=16", "train.pack_sequences=false"])
     # in order, greedy: 2x5, 10 alone, 2x8, then 3 (3x8 would pass 16)
-    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3, 4], [5]]
+    assert micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2], [3, 4], [5]]
     # packed, the budget counts packed rows x longest: 5 | 4 (2x5), then 10 | 5+4 (2x10) fits 20; 8 | 3+2 (2x8)
     config = load_config(None, ["train.max_tokens_per_micro_batch=20", "train.pack_sequences=false"])
-    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
+    assert micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=20", "train.pack_sequences=true"])
-    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1, 2], [3, 4, 5]]
+    assert micro_batches(list(range(6)), batch, config.train) == [[0, 1, 2], [3, 4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=100", "train.micro_batch_size=2"])
-    assert _micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
+    assert micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=", "train.micro_batch_size="])
-    assert _micro_batches(list(range(6)), batch, config.train) == [list(range(6))]
+    assert micro_batches(list(range(6)), batch, config.train) == [list(range(6))]
