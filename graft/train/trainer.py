@@ -36,6 +36,7 @@ from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import RewardFn, get_reward
+from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
@@ -177,6 +178,7 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
     run_dir = Path(run_dir)
     config.require_model_path("train")
     _leave_a_core_to_local_vllm(config)
+    return_freed_memory_to_the_os()
     ctx = init_distributed(config.dist.backend)
     try:
         with _run_dir_lock(run_dir) if ctx.is_main else contextlib.nullcontext():
