@@ -251,8 +251,8 @@ class TrainConfig(ObjectiveFields):
     activation_checkpointing: bool = Field(
         True, description="Keep only each decoder layer's input for the backward and recompute the rest: "
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
-        "forward of each layer. On by default (as TRL's gradient_checkpointing): without it a micro-batch of "
-        "8192 tokens at the 24-layer Qwen2.5-0.5B shape needs ~25 GB of activations.")
+        "forward of each layer. On by default (as TRL's gradient_checkpointing): without it one micro-batch of "
+        "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB (docs/benchmarks.md).")
     max_tokens_per_micro_batch: int | None = Field(
         8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
         "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from graft.rl.registry import lookup
+
 # (values_BT, mask_BT, divisor, norm_tokens) -> scalar; divisor None = this batch is the whole.
 Aggregation = Callable[..., Tensor]
 
@@ -79,12 +81,5 @@ AGGREGATION_DIVISORS: dict[str, Callable[..., float]] = {
 
 
 def get_aggregation(name: str) -> Aggregation:
-    """Looks up ``AGGREGATIONS[name]``.
-
-    Raises:
-        ValueError: If ``name`` is not registered; the message lists the registered names.
-    """
-    try:
-        return AGGREGATIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown loss aggregation {name!r}; registered: {sorted(AGGREGATIONS)}") from None
+    """Looks up ``AGGREGATIONS[name]``. ValueError if it is not registered."""
+    return lookup(AGGREGATIONS, name, "loss aggregation")

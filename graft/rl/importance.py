@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from graft.rl.registry import lookup
+
 LogRatio = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -40,15 +42,8 @@ RATIO_LEVELS: dict[str, LogRatio] = {"token": token_log_ratio, "sequence": seque
 
 
 def get_ratio_level(name: str) -> LogRatio:
-    """Looks up ``RATIO_LEVELS[name]``.
-
-    Raises:
-        ValueError: If ``name`` is not registered; the message lists the registered names.
-    """
-    try:
-        return RATIO_LEVELS[name]
-    except KeyError:
-        raise ValueError(f"unknown ratio level {name!r}; registered: {sorted(RATIO_LEVELS)}") from None
+    """Looks up ``RATIO_LEVELS[name]``. ValueError if it is not registered."""
+    return lookup(RATIO_LEVELS, name, "ratio level")
 
 
 def truncated_importance_weights(trainer_logprobs_BT: Tensor, engine_logprobs_BT: Tensor, cap: float) -> Tensor:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from graft.rl.registry import lookup
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -59,12 +61,5 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
 
 
 def get_kl_estimator(name: str) -> KLEstimator:
-    """Looks up ``KL_ESTIMATORS[name]``.
-
-    Raises:
-        ValueError: If ``name`` is not registered; the message lists the registered names.
-    """
-    try:
-        return KL_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {name!r}; registered: {sorted(KL_ESTIMATORS)}") from None
+    """Looks up ``KL_ESTIMATORS[name]``. ValueError if it is not registered."""
+    return lookup(KL_ESTIMATORS, name, "KL estimator")
