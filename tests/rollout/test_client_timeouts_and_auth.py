@@ -87,9 +87,10 @@ def test_the_right_key_is_served():
     assert asyncio.run(run())[0][0].token_ids == (3,)
 
 
-def test_a_server_that_never_answers_fails_a_control_call_within_the_control_timeout():
-    """A listening socket nobody reads: connect succeeds (kernel backlog), no answer ever comes —
-    what a SIGSTOPped server looks like from the client."""
+def _seconds_until_error(call, match: str) -> float:
+    """Seconds until `call(client)` raises EngineUnavailableError matching `match`, against a
+    listening socket nobody reads: connect succeeds (kernel backlog), no answer ever comes — what a
+    SIGSTOPped server looks like from the client. Control timeout 0.5 s, request timeout 300 s."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
@@ -98,11 +99,17 @@ def test_a_server_that_never_answers_fails_a_control_call_within_the_control_tim
         async def run():
             async with VllmClient(url, model="m", control_timeout_s=0.5, request_timeout_s=300) as client:
                 start = time.monotonic()
-                with pytest.raises(EngineUnavailableError, match=r"POST /v1/load_lora_adapter: no answer within 0.5 s"):
-                    await client.load_adapter("p-v1", "/w/v1")
+                with pytest.raises(EngineUnavailableError, match=match):
+                    await call(client)
                 return time.monotonic() - start
 
-        assert asyncio.run(run()) < 0.5 + 2.0  # the control timeout, plus slack; not the 300 s
+        return asyncio.run(run())
+
+
+def test_a_server_that_never_answers_fails_a_control_call_within_the_control_timeout():
+    seconds = _seconds_until_error(lambda client: client.load_adapter("p-v1", "/w/v1"),
+                                   r"POST /v1/load_lora_adapter: no answer within 0.5 s")
+    assert seconds < 0.5 + 2.0  # the control timeout, plus slack; not the 300 s
 
 
 def _slow_generation(seconds: float, health: list[float]):
@@ -129,18 +136,7 @@ def test_a_generation_longer_than_the_control_timeout_runs_on_while_the_server_i
 
 
 def test_a_frozen_server_fails_a_generation_within_twice_the_control_timeout():
-    """The listening socket nobody reads (a SIGSTOPped server): the generation's own timeout is 300 s."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-
-        async def run():
-            async with VllmClient(url, model="m", control_timeout_s=0.5, request_timeout_s=300) as client:
-                start = time.monotonic()
-                with pytest.raises(EngineUnavailableError, match=r"no answer to a generation for 0.5 s, then the "
-                                                                 r"health check failed: .*GET /health: no answer"):
-                    await client.generate([GenerateRequest((1, 2), SamplingParams(max_new_tokens=1))])
-                return time.monotonic() - start
-
-        assert asyncio.run(run()) < 2 * 0.5 + 2.0
+    seconds = _seconds_until_error(
+        lambda client: client.generate([GenerateRequest((1, 2), SamplingParams(max_new_tokens=1))]),
+        r"no answer to a generation for 0.5 s, then the health check failed: .*GET /health: no answer")
+    assert seconds < 2 * 0.5 + 2.0  # not the generation's own 300 s
