@@ -1,5 +1,5 @@
-"""The RL objective's variants in `train`: ratio level, clipping, KL estimator, mismatch correction,
-advantage baseline. Each name is a registered variant in `graft.rl` (README's objective table says
+"""The RL objective's variants in `train`: ratio level, clipping, KL estimator and placement, mismatch
+correction, advantage baseline, DAPO's sampling filters and overlong shaping. Each name is a registered variant in `graft.rl` (README's objective table says
 what each does and which TRL/verl setting it corresponds to). The defaults are plain GRPO: none of
 these keys changes a run that leaves them out.
 
@@ -43,6 +43,31 @@ class ObjectiveFields(Section):
         "token, or of a sequence (geometric mean over its tokens), is truncated at the cap or, over the cap, "
         "masked out of the policy loss (TRL vllm_importance_sampling_mode, whose sequence ratio is the product). "
         "Needs tis_cap.")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL to the frozen base (kl_coef, kl_estimator) acts: 'loss' (a per-token term of "
+        "the loss, GRPO/TRL beta, verl use_kl_loss) or 'reward' (each completion's reward loses kl_coef times the sum "
+        "of its tokens' KL estimates between the policy that sampled it and the base, before advantages: PPO/RLHF's "
+        "KL penalty, verl algorithm.use_kl_in_reward with a fixed kl_coef). Needs kl_coef > 0.")
+    overlong_filter: bool = Field(
+        False, description="Leave completions that hit rollout.max_new_tokens (truncated, no end of sequence) out "
+        "of the loss; their rewards still count in their group's baseline (DAPO overlong filtering, TRL "
+        "mask_truncated_completions).")
+    overlong_buffer_tokens: int | None = Field(
+        None, ge=1, description="DAPO's soft overlong punishment: a completion longer than rollout.max_new_tokens "
+        "minus this many tokens gets overlong_penalty x (excess / buffer) subtracted from its reward, growing "
+        "linearly to overlong_penalty at max_new_tokens (verl reward_model.overlong_buffer.len, TRL "
+        "get_soft_overlong_punishment's soft_punish_cache); null = off.")
+    overlong_penalty: float = Field(
+        1.0, gt=0, description="The largest soft overlong punishment (verl overlong_buffer.penalty_factor). Needs "
+        "overlong_buffer_tokens.")
+    filter_groups: bool = Field(
+        False, description="DAPO dynamic sampling: a prompt group whose task rewards are all equal (all right or all "
+        "wrong: zero advantage, no learning signal) is dropped and more prompts are sampled with the same policy "
+        "version until the batch has train.batch_prompts groups with signal, or max_sampling_rounds rollouts "
+        "were made; then the batch is filled with dropped groups (verl algorithm.filter_groups).")
+    max_sampling_rounds: int = Field(
+        3, ge=1, description="Rollouts of train.batch_prompts prompts per step at most with filter_groups (the first "
+        "and the refills; verl max_num_gen_batches). Needs filter_groups.")
     adv_baseline: Literal["mean", "leave-one-out"] = Field(
         "mean", description="Baseline subtracted from each reward: the group mean (GRPO) or the mean of the other "
         "completions of the prompt (RLOO; G/(G-1) times the centred reward; verl adv_estimator=rloo). Combine "
@@ -56,10 +81,19 @@ class ObjectiveFields(Section):
         if self.tis_mode != "token-truncate" and self.tis_cap is None:
             raise ConfigError(f"train.tis_mode ({self.tis_mode!r}) has no effect while train.tis_cap is null: "
                               "set train.tis_cap (e.g. 2.0)", keys=("train.tis_mode", "train.tis_cap"))
-        for key, default in (("kl_estimator", "k3"), ("kl_bias_correction", False)):
+        for key, default in (("kl_estimator", "k3"), ("kl_bias_correction", False), ("kl_in", "loss")):
             if getattr(self, key) != default and not self.kl_coef:
                 raise ConfigError(f"train.{key} has no effect while train.kl_coef is 0 (no KL term): set "
                                   "train.kl_coef > 0", keys=(f"train.{key}", "train.kl_coef"))
+        if self.kl_bias_correction and self.kl_in == "reward":
+            raise ConfigError("train.kl_bias_correction weighs the KL term of the loss, which train.kl_in=reward "
+                              "moves into the reward", keys=("train.kl_bias_correction", "train.kl_in"))
+        if self.overlong_penalty != 1.0 and self.overlong_buffer_tokens is None:
+            raise ConfigError("train.overlong_penalty has no effect while train.overlong_buffer_tokens is null",
+                              keys=("train.overlong_penalty", "train.overlong_buffer_tokens"))
+        if self.max_sampling_rounds != 3 and not self.filter_groups:
+            raise ConfigError("train.max_sampling_rounds has no effect while train.filter_groups is false",
+                              keys=("train.max_sampling_rounds", "train.filter_groups"))
         if self.loss_norm_tokens is not None and self.loss_agg != "seq-mean-token-sum-norm":
             raise ConfigError(f"train.loss_norm_tokens is only used by train.loss_agg=seq-mean-token-sum-norm "
                               f"(got {self.loss_agg!r})", keys=("train.loss_norm_tokens", "train.loss_agg"))

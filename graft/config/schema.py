@@ -347,6 +347,16 @@ class GraftConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_overlong_buffer(self) -> "GraftConfig":
+        """The soft overlong punishment ramps over the last tokens a completion may have."""
+        buffer = self.train.overlong_buffer_tokens
+        if buffer is not None and buffer >= self.rollout.max_new_tokens:
+            raise ConfigError(f"train.overlong_buffer_tokens ({buffer}) must be below rollout.max_new_tokens "
+                              f"({self.rollout.max_new_tokens}): the punishment ramps over the last tokens a "
+                              "completion may have", keys=("train.overlong_buffer_tokens", "rollout.max_new_tokens"))
+        return self
+
+    @model_validator(mode="after")
     def _check_sync_reaches_engine(self) -> "GraftConfig":
         """Merged weights are read by the engine from disk: a remote engine needs a shared sync.dir."""
         if self.sync.mode != "merged" or self.sync.dir is not None:

@@ -58,5 +58,10 @@ def group_advantages(rewards_PG: Tensor, normalize_std: bool = True, eps: float 
     if normalize_std:
         adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True, correction=STD_CORRECTIONS[std]) + eps)
     # The mean of equal floats need not round back to them exactly; zero such groups explicitly.
-    constant_P1 = rewards_PG.amax(dim=1, keepdim=True) == rewards_PG.amin(dim=1, keepdim=True)
-    return adv_PG.masked_fill(constant_P1, 0.0)
+    return adv_PG.masked_fill(~informative_groups(rewards_PG).unsqueeze(1), 0.0)
+
+
+def informative_groups(rewards_PG: Tensor) -> Tensor:
+    """``[P]`` bool: the groups whose rewards are not all equal. The others get zero advantages and
+    teach nothing (DAPO's dynamic sampling drops and replaces them)."""
+    return rewards_PG.amax(dim=1) != rewards_PG.amin(dim=1)

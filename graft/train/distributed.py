@@ -171,7 +171,7 @@ def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
 
 
 def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
-    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards)."""
+    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards, truncation)."""
     if not ctx.active:
         assert batch is not None
         return batch
@@ -189,11 +189,13 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
         ids_t = torch.tensor([t for p, c in batch.sequences for t in (*p, *c)], dtype=torch.long)
         logprobs_t = torch.tensor([x for lp in batch.engine_logprobs for x in lp], dtype=torch.float64)
         rewards_t = batch.rewards_PG.to(torch.float32).contiguous()
+        truncated_t = torch.tensor(batch.truncated or [False] * n_seq, dtype=torch.long)
     else:
         lengths_t = torch.zeros(2 * n_seq, dtype=torch.long)
         ids_t = torch.zeros(n_tokens, dtype=torch.long)
         rewards_t = torch.zeros(n_prompts, group, dtype=torch.float32)
-    lengths_t, ids_t, rewards_t = (_broadcast(t) for t in (lengths_t, ids_t, rewards_t))
+        truncated_t = torch.zeros(n_seq, dtype=torch.long)
+    lengths_t, ids_t, rewards_t, truncated_t = (_broadcast(t) for t in (lengths_t, ids_t, rewards_t, truncated_t))
     n_completion = int(lengths_t[1::2].sum())
     if not ctx.is_main:
         logprobs_t = torch.zeros(n_completion, dtype=torch.float64)
@@ -205,7 +207,8 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
         sequences.append((ids_t[at:at + p_len].tolist(), ids_t[at + p_len:at + p_len + c_len].tolist()))
         logprobs.append(logprobs_t[at_lp:at_lp + c_len].tolist())
         at, at_lp = at + p_len + c_len, at_lp + c_len
-    return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0)
+    return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0,
+                        truncated=tuple(bool(t) for t in truncated_t.tolist()))
 
 
 def _broadcast(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from graft.config import GraftConfig
+from graft.rl.shaping import soft_overlong_penalty
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.examples import Example, render_prompt_ids
@@ -30,6 +31,8 @@ class RolloutBatch:
     rewards_PG: torch.Tensor
     version: int  # the policy version that generated every sample
     seconds: float
+    truncated: tuple[bool, ...] = ()  # per sequence: cut at max_new_tokens (no end of sequence); () = none
+    reward_metrics: dict = field(default_factory=dict)  # metrics of the rollout beyond the rewards themselves
 
     @property
     def tokens(self) -> int:
@@ -81,12 +84,25 @@ async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, ver
                 for p, prompt in enumerate(prompts_P)]
     async with inflight.use(version):  # the sync never unloads a version a request still uses
         completions_P = await engine.generate(requests, adapter=adapter)
-    sequences, logprobs, rewards_PG = [], [], []
+    sequences, logprobs, rewards_PG, truncated = [], [], [], []
     for prompt, example, completions in zip(prompts_P, examples, completions_P):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         rewards_PG.append([reward_fn(text, example) for text in texts])
         for completion in completions:
             sequences.append((list(prompt), list(completion.token_ids)))
             logprobs.append(list(completion.logprobs))
+            truncated.append(completion.finish_reason == "length")
     return RolloutBatch(sequences, logprobs, torch.tensor(rewards_PG, dtype=torch.float32), version,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, tuple(truncated))
+
+
+def with_overlong_penalty(batch: RolloutBatch, max_tokens: int, buffer_tokens: int | None,
+                          penalty: float) -> RolloutBatch:
+    """`batch` with DAPO's soft overlong punishment added to its rewards (`train.overlong_buffer_tokens`;
+    None = unchanged) and its mean in `reward_metrics["overlong_penalty_mean"]`."""
+    if buffer_tokens is None:
+        return batch
+    lengths = torch.tensor([len(c) for _, c in batch.sequences])
+    penalty_PG = soft_overlong_penalty(lengths, max_tokens, buffer_tokens, penalty).view_as(batch.rewards_PG)
+    return replace(batch, rewards_PG=batch.rewards_PG + penalty_PG,
+                   reward_metrics={**batch.reward_metrics, "overlong_penalty_mean": penalty_PG.mean().item()})

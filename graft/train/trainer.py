@@ -21,7 +21,7 @@ import contextlib
 import fcntl
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,9 @@ from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
-from graft.train.rollout_batch import RolloutBatch, build_rollout_batch, step_examples, step_sampling_params
+from graft.train.dynamic_sampling import REFILL_SEED_STRIDE, refill_examples, sample_informative_groups
+from graft.train.rollout_batch import (RolloutBatch, build_rollout_batch, step_examples, step_sampling_params,
+                                       with_overlong_penalty)
 from graft.train.staleness import RolloutProducer
 
 __all__ = ["ResumeError", "RunDirError", "train"]
@@ -115,13 +117,24 @@ class _Leader:
         return batch.rewards_PG.mean().item(), sync_metrics["sync_seconds"]
 
     async def _make_batch(self, step: int, version: int) -> RolloutBatch:
-        """The batch of `step`, sampled from policy `version` (the producer picks the version)."""
-        train = self.config.train
-        return await build_rollout_batch(
-            self.engine, adapter=self.sync.request_adapter(version), version=version, inflight=self.sync.inflight,
-            examples=step_examples(self.task.train_set, step, train.batch_prompts, train.seed),
-            tokenizer=self.task.tokenizer, params=step_sampling_params(self.config, step),
-            reward_fn=self.task.reward_fn)
+        """The batch of `step`, sampled from policy `version` (the producer picks the version): with
+        `train.filter_groups` of groups with a learning signal (refilled), rewards shaped per `train`."""
+        train, params = self.config.train, step_sampling_params(self.config, step)
+
+        async def sample_round(round_: int) -> RolloutBatch:
+            examples = (step_examples(self.task.train_set, step, train.batch_prompts, train.seed) if round_ == 0 else
+                        refill_examples(self.task.train_set, step, round_, train.batch_prompts, train.seed))
+            round_params = params if params.seed is None else replace(
+                params, seed=params.seed + round_ * REFILL_SEED_STRIDE)
+            return await build_rollout_batch(
+                self.engine, adapter=self.sync.request_adapter(version), version=version,
+                inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
+                reward_fn=self.task.reward_fn)
+
+        batch = (await sample_informative_groups(sample_round, train.batch_prompts, train.max_sampling_rounds)
+                 if train.filter_groups else await sample_round(0))
+        return with_overlong_penalty(batch, params.max_new_tokens, train.overlong_buffer_tokens,
+                                     train.overlong_penalty)
 
     async def _evaluate(self) -> float:
         return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
@@ -145,7 +158,8 @@ def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict
         "rollout_seconds": batch.seconds, "rollout_tokens": batch.tokens,
         "rollout_tokens_per_s": batch.tokens / batch.seconds if batch.seconds else 0.0,
         "rollout_version": batch.version, "staleness_max": step - 1 - batch.version, "dropped_stale_batches": dropped,
-        "step_seconds": step_seconds,
+        "step_seconds": step_seconds, **batch.reward_metrics,
+        "truncated_fraction": sum(batch.truncated) / len(batch.sequences),
     }
 
 

@@ -26,6 +26,7 @@ from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
+from graft.rl.shaping import sequence_kl
 from graft.train.distributed import Dist, full_tensor
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
@@ -40,13 +41,15 @@ _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean
                 "mismatch_kl")
 
 
-def _mini_batches(n_prompts: int, group: int, mini_batches: int) -> list[list[int]]:
-    """Rows of each mini-batch: consecutive whole prompt groups, as even as possible."""
+def _mini_batches(n_prompts: int, group: int, mini_batches: int, left_out: frozenset[int] = frozenset()
+                  ) -> list[list[int]]:
+    """Rows of each mini-batch: consecutive whole prompt groups, as even as possible, less the rows
+    `left_out` of the loss (`train.overlong_filter`); a mini-batch left with no rows is dropped."""
     per, extra = divmod(n_prompts, mini_batches)
     out, first = [], 0
     for m in range(mini_batches):
         n = per + (1 if m < extra else 0)
-        out.append(list(range(first * group, (first + n) * group)))
+        out.append([r for r in range(first * group, (first + n) * group) if r not in left_out])
         first += n
     return [rows for rows in out if rows]
 
@@ -114,15 +117,26 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     start = time.perf_counter()
     model.train()
     n_prompts, group = batch.rewards_PG.shape
-    advantages = group_advantages(batch.rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
-                                  baseline=train.adv_baseline).flatten()
-    advantages = advantages.to(next(model.parameters()).device)
     lengths = [len(completion) for _, completion in batch.sequences]
-    minis = _mini_batches(n_prompts, group, train.mini_batches)
+    left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if train.overlong_filter else frozenset()
+    minis = _mini_batches(n_prompts, group, train.mini_batches, left_out)
+    if not minis:  # every completion left out of the loss: nothing to learn from this batch
+        return {"loss": math.nan, **dict.fromkeys(_TOKEN_STATS, None), "grad_norm": math.nan, "optimizer_steps": 0,
+                "skipped_nonfinite_steps": 0, "logprob_abs_diff_max": 0.0, "loss_rows": 0,
+                "train_seconds": time.perf_counter() - start}
     plans_by_rank = plan_by_rank(minis, batch, train, ctx.world_size)
     plan = plans_by_rank[ctx.rank]
     single_step = train.epochs * len(minis) == 1
-    cache = _LogprobCache(model, batch, plans_by_rank, train, pad_id, ctx.rank, old_needed=not single_step)
+    # The KL in the reward needs every row's sampling-policy and reference log-probs before the advantages.
+    kl_in_reward = bool(train.kl_coef) and train.kl_in == "reward"
+    whole = plan_by_rank([list(range(len(lengths)))], batch, train, ctx.world_size) if kl_in_reward else None
+    cache = _LogprobCache(model, batch, [a + b for a, b in zip(plans_by_rank, whole)] if whole else plans_by_rank,
+                          train, pad_id, ctx.rank, old_needed=not single_step or kl_in_reward)
+    rewards_PG, shaping = (_rewards_with_kl(batch.rewards_PG, cache, whole[ctx.rank], train, ctx) if whole
+                           else (batch.rewards_PG, {}))
+    advantages = group_advantages(rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
+                                  baseline=train.adv_baseline).flatten()
+    advantages = advantages.to(next(model.parameters()).device)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
@@ -158,10 +172,24 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     stats = {k: s / max(tokens, 1.0) for k, s in zip(_TOKEN_STATS, stat_sums)}
     if not train.kl_coef:
         stats["kl"] = None  # no reference forward pass was run (see _LogprobCache)
-    return {"loss": sum(losses) / len(losses), **stats,
+    return {"loss": sum(losses) / len(losses), **stats, **shaping, "loss_rows": sum(map(len, minis)),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "optimizer_steps": len(losses) - skipped,
             "skipped_nonfinite_steps": skipped,
             "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
+
+
+def _rewards_with_kl(rewards_PG: torch.Tensor, cache: _LogprobCache, whole_plan: list[Micros], train: TrainConfig,
+                     ctx: Dist) -> tuple[torch.Tensor, dict]:
+    """`train.kl_in: reward`: each completion's reward less `kl_coef` x its summed KL estimate between the
+    policy that sampled it (the update's old policy) and the reference. Each row is scored by the one
+    rank `whole_plan` (this rank's share of all rows) gives it for real, not as a stand-in, and summed
+    over ranks. Also `reward_kl_penalty`, the mean penalty."""
+    kl_R = [0.0] * rewards_PG.numel()
+    for r in {r for micros in whole_plan for rows, weight in micros if weight for r in rows}:
+        mask_T = torch.ones_like(cache.old[r], dtype=torch.bool)
+        kl_R[r] = sequence_kl(cache.old[r], cache.ref[r], mask_T, train.kl_estimator).item()
+    penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_R), dtype=rewards_PG.dtype).view_as(rewards_PG)
+    return rewards_PG - penalty_PG, {"reward_kl_penalty": penalty_PG.mean().item()}
 
 
 def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], advantages: torch.Tensor,
@@ -182,8 +210,10 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                                         train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
     entropy_BC = entropy_BC if train.entropy_coef else entropy_BC.detach()
+    # With the KL in the reward the loss has no KL term; the reference log-probs still give the KL metric.
+    kl_coef = train.kl_coef if train.kl_in == "loss" else 0.0
     loss, stats = grpo_loss(logprobs_BC, old_BC, ref_BC, advantages[rows], mask_BC,
-                            clip_eps=train.clip_eps, kl_coef=train.kl_coef, entropy_BT=entropy_BC,
+                            clip_eps=train.clip_eps, kl_coef=kl_coef, entropy_BT=entropy_BC,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BC,
                             divisor=divisor, options=LossOptions.from_config(train))
     stats.update(mismatch)

@@ -34,7 +34,9 @@ def _batch(n_prompts: int, group: int, seed: int = 0) -> RolloutBatch:
         sequences.append((ids[:p], ids[p:]))
         logprobs.append([-1.0] * c)
     rewards_PG = torch.randint(0, 2, (n_prompts, group), generator=gen).float()
-    return RolloutBatch(sequences, logprobs, rewards_PG, version=0, seconds=0.0)
+    # Completions of the longest length (5) count as cut at max_new_tokens (train.overlong_filter).
+    truncated = tuple(len(c) == 5 for _, c in sequences)
+    return RolloutBatch(sequences, logprobs, rewards_PG, version=0, seconds=0.0, truncated=truncated)
 
 
 def _updates(model_dir, ctx: Dist, n_prompts: int, group: int, overrides: list[str]) -> tuple[list[dict], dict]:

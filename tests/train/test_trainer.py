@@ -69,13 +69,20 @@ def parity_reward(monkeypatch):
     return "data.reward=parity"
 
 
-def test_resume_after_step_k_repeats_the_uninterrupted_run(base_dir, tmp_path, parity_reward):
+# DAPO's dynamic sampling and shaping: refill rounds are a pure function of (seed, step, round). (The
+# tiny random model seldom ends a completion before max_new_tokens, so the overlong filter, tested on
+# the update, would leave most steps without rows here.)
+_DAPO = ["train.filter_groups=true", "train.overlong_buffer_tokens=2", "train.kl_in=reward"]
+
+
+@pytest.mark.parametrize("extra", [[], _DAPO], ids=["grpo", "dapo-filters"])
+def test_resume_after_step_k_repeats_the_uninterrupted_run(base_dir, tmp_path, parity_reward, extra):
     """Stopped after step 2 and resumed, steps 3..5 give the metrics of the uninterrupted run (fp32,
     one rank, the deterministic reference engine)."""
     overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", "train.batch_prompts=2",
                  parity_reward,
                  "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.kl_coef=0.01", "train.lr=5e-3",
-                 "lora.rank=4", "train.eval_examples=2", "train.checkpoint_every=1", "train.warmup_steps=3"]
+                 "lora.rank=4", "train.eval_examples=2", "train.checkpoint_every=1", "train.warmup_steps=3", *extra]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     asyncio.run(train(load_config(None, [*overrides, "train.steps=5"]), whole))
     asyncio.run(train(load_config(None, [*overrides, "train.steps=2"]), parts))
@@ -87,6 +94,16 @@ def test_resume_after_step_k_repeats_the_uninterrupted_run(base_dir, tmp_path, p
         for key in _COMPARED:
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (have["step"], key)
     assert len({r["grad_norm"] for r in expected[2:]}) == 3 and all(r["grad_norm"] > 0 for r in expected[2:])
+    if extra:
+        for want, have in zip(expected[2:], got[2:]):
+            for key in ("sampling_rounds", "informative_groups", "filtered_groups", "overlong_penalty_mean",
+                        "reward_kl_penalty", "truncated_fraction"):
+                assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (have["step"], key)
+        assert {r["informative_groups"] for r in expected} <= {0, 1, 2}
+        assert max(r["sampling_rounds"] for r in expected) > 1  # some step refilled a group without signal
+        # step 1 samples the zero-initialised adapter: the base itself, no KL yet
+        assert all(r["overlong_penalty_mean"] < 0 for r in expected) and expected[0]["reward_kl_penalty"] == 0
+        assert all(r["reward_kl_penalty"] != 0 for r in expected[1:])
 
 
 def test_fresh_run_refuses_a_run_dir_with_checkpoints_and_resume_needs_one(base_dir, tmp_path):
