@@ -115,7 +115,6 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     """
     start = time.perf_counter()
-    model.train()
     n_prompts, group = batch.rewards_PG.shape
     lengths = [len(completion) for _, completion in batch.sequences]
     left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if train.overlong_filter else frozenset()
@@ -124,23 +123,14 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
         return {"loss": math.nan, **dict.fromkeys(_TOKEN_STATS, None), "grad_norm": math.nan, "optimizer_steps": 0,
                 "skipped_nonfinite_steps": 0, "logprob_abs_diff_max": 0.0, "loss_rows": 0,
                 "train_seconds": time.perf_counter() - start}
+    model.train()
     plans_by_rank = plan_by_rank(minis, batch, train, ctx.world_size)
-    plan = plans_by_rank[ctx.rank]
     single_step = train.epochs * len(minis) == 1
-    # The KL in the reward needs every row's sampling-policy and reference log-probs before the advantages.
-    kl_in_reward = bool(train.kl_coef) and train.kl_in == "reward"
-    whole = plan_by_rank([list(range(len(lengths)))], batch, train, ctx.world_size) if kl_in_reward else None
-    cache = _LogprobCache(model, batch, [a + b for a, b in zip(plans_by_rank, whole)] if whole else plans_by_rank,
-                          train, pad_id, ctx.rank, old_needed=not single_step or kl_in_reward)
-    rewards_PG, shaping = (_rewards_with_kl(batch.rewards_PG, cache, whole[ctx.rank], train, ctx) if whole
-                           else (batch.rewards_PG, {}))
-    advantages = group_advantages(rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
-                                  baseline=train.adv_baseline).flatten()
-    advantages = advantages.to(next(model.parameters()).device)
+    cache, advantages, shaping = _before_the_first_step(model, batch, plans_by_rank, train, pad_id, ctx, single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
-        for mini, micros in zip(minis, plan):
+        for mini, micros in zip(minis, plans_by_rank[ctx.rank]):
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini], train.loss_norm_tokens)
             loss_sum = 0.0
             for part, weight in micros:
@@ -152,18 +142,9 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
                 tokens += part_tokens
                 for key in _TOKEN_STATS:
                     sums[key] += stats[key] * part_tokens
-            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item()
-            if math.isfinite(grad_norm):  # the same global norm on every rank: one decision everywhere
-                optimizer.step()
-            elif train.on_nonfinite == "skip":
-                skipped += 1
-            else:
-                raise NonFiniteUpdateError(
-                    f"the gradient norm is {grad_norm} (loss {loss_sum}): the update is not applied and "
-                    "nothing is published, the engines keep serving the last good version; lower train.lr, "
-                    "or set train.on_nonfinite=skip to skip such optimizer steps")
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = _optimizer_step(optimizer, params, train, loss_sum)
             grad_norms += [grad_norm] if math.isfinite(grad_norm) else []
+            skipped += not math.isfinite(grad_norm)
             losses.append(loss_sum)
     model.eval()
     totals = ctx.sum([*losses, tokens, *sums.values()])
@@ -173,9 +154,40 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     if not train.kl_coef:
         stats["kl"] = None  # no reference forward pass was run (see _LogprobCache)
     return {"loss": sum(losses) / len(losses), **stats, **shaping, "loss_rows": sum(map(len, minis)),
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "optimizer_steps": len(losses) - skipped,
-            "skipped_nonfinite_steps": skipped,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "optimizer_steps": len(losses) - skipped, "skipped_nonfinite_steps": skipped,
             "logprob_abs_diff_max": gap, "train_seconds": time.perf_counter() - start}
+
+
+def _before_the_first_step(model: nn.Module, batch: RolloutBatch, plans_by_rank: list[list[Micros]],
+                           train: TrainConfig, pad_id: int, ctx: Dist, single_step: bool
+                           ) -> tuple[_LogprobCache, torch.Tensor, dict]:
+    """The log-prob cache, each row's advantage (on the model's device) and the reward-shaping metrics.
+    The KL in the reward needs every row's sampling-policy and reference log-probs before the advantages
+    (rows the overlong filter leaves out of the loss too: their rewards are in the group baselines)."""
+    kl_in_reward = bool(train.kl_coef) and train.kl_in == "reward"
+    whole = plan_by_rank([list(range(len(batch.sequences)))], batch, train, ctx.world_size) if kl_in_reward else None
+    cache = _LogprobCache(model, batch, [a + b for a, b in zip(plans_by_rank, whole)] if whole else plans_by_rank,
+                          train, pad_id, ctx.rank, old_needed=not single_step or kl_in_reward)
+    rewards_PG, shaping = (_rewards_with_kl(batch.rewards_PG, cache, whole[ctx.rank], train, ctx) if whole
+                           else (batch.rewards_PG, {}))
+    advantages = group_advantages(rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
+                                  baseline=train.adv_baseline).flatten()
+    return cache, advantages.to(next(model.parameters()).device), shaping
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, params: list, train: TrainConfig, loss_sum: float) -> float:
+    """Clip, step (unless the gradient norm is not finite) and zero the gradients; the global norm."""
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item()
+    if math.isfinite(grad_norm):  # the same global norm on every rank: one decision everywhere
+        optimizer.step()
+    elif train.on_nonfinite == "error":
+        raise NonFiniteUpdateError(
+            f"the gradient norm is {grad_norm} (loss {loss_sum}): the update is not applied and "
+            "nothing is published, the engines keep serving the last good version; lower train.lr, "
+            "or set train.on_nonfinite=skip to skip such optimizer steps")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def _rewards_with_kl(rewards_PG: torch.Tensor, cache: _LogprobCache, whole_plan: list[Micros], train: TrainConfig,
