@@ -1,8 +1,9 @@
 """Distributed plumbing for the trainer: process group, FSDP2 sharding, batch broadcast, gather/scatter.
 
-`torchrun --nproc-per-node N graft train CONFIG` starts N ranks. Rank 0 alone talks to the engines
-(rollouts, sync, verification) and writes the run directory; every rank holds a shard of the model
-and a slice of each batch. Nothing here knows about losses or LoRA math; the trainer calls these
+`torchrun --nproc-per-node N graft train CONFIG` starts N ranks on a 2-D mesh (dp, tp): `dist.tp`
+ranks share each decoder layer (tensor parallel) and see the same rows; the N / tp data-parallel
+groups split each batch's rows. Rank 0 alone talks to the engines (rollouts, sync, verification)
+and writes the run directory; every rank holds a shard of the model. Nothing here knows about losses or LoRA math; the trainer calls these
 collectives in the same order on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a
 no-op on one process. Batches travel as tensors, never pickled.
 """
@@ -10,8 +11,10 @@ no-op on one process. Batches travel as tensors, never pickled.
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,10 +29,27 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 
 @dataclass(frozen=True)
 class Dist:
-    """This process's place in the run: `rank` of `world_size`."""
+    """This process's place in the run: `rank` of `world_size`, on the (dp, tp) `mesh` (row-major:
+    rank = dp_rank * tp + tp_rank, so the ranks of one TP group are neighbours, e.g. one node's GPUs).
+
+    `mesh` is None on one process, and may be on a pure data-parallel run (`tp` 1: `shard_model`
+    then builds a 1-D one); `mesh_dist` builds it.
+    """
 
     rank: int = 0
     world_size: int = 1
+    tp: int = 1
+    mesh: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each batch's rows are split over these."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the rows this rank trains on (the same for the ranks of one TP group)."""
+        return self.rank // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -47,26 +67,25 @@ class Dist:
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
 
-    def rows(self, n: int) -> range:
-        """This rank's contiguous share of `n` batch rows (empty when n < world_size for high ranks)."""
-        per, extra = divmod(n, self.world_size)
-        start = self.rank * per + min(self.rank, extra)
-        return range(start, start + per + (1 if self.rank < extra else 0))
-
     def sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks."""
-        return self._all_reduce(values, dist.ReduceOp.SUM)
+        """Element-wise sum over the data-parallel ranks (the ranks of one TP group hold the same
+        rows, so the same values: summing over them would count each row `tp` times)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM, self._dp_group())
 
     def max(self, values: list[float]) -> list[float]:
         """Element-wise max over ranks."""
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
-    def _all_reduce(self, values: list[float], op) -> list[float]:
+    def _all_reduce(self, values: list[float], op, group=None) -> list[float]:
         if not self.active:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
         return t.tolist()
+
+    def _dp_group(self):
+        """The process group of this rank's data-parallel peers; None (the world) without TP."""
+        return self.mesh.get_group("dp") if self.tp > 1 else None
 
     def barrier(self) -> None:
         if self.active:
@@ -80,13 +99,27 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str = "auto") -> Dist:
-    """Join the torchrun process group if there is one (gloo on CPU, NCCL on GPU for `auto`).
+def check_world_size(world_size: int, tp: int) -> None:
+    """Before any process group exists: a mesh of `world_size` ranks with TP groups of `tp`.
 
     Raises:
-        ValueError: `nccl` asked for without CUDA.
+        ValueError: `world_size` is not a multiple of `tp`.
+    """
+    if world_size % tp:
+        raise ValueError(f"dist.tp={tp} does not divide the world size {world_size} (torchrun's ranks): the "
+                         f"data-parallel size is world size / dist.tp; launch a multiple of {tp} ranks")
+
+
+def init_distributed(backend: str = "auto", tp: int = 1) -> Dist:
+    """Join the torchrun process group if there is one (gloo on CPU, NCCL on GPU for `auto`), on a
+    (world size / tp, tp) mesh.
+
+    Raises:
+        ValueError: `nccl` asked for without CUDA, or a world size `tp` does not divide (both before
+            any process group work).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(world_size, tp)
     if world_size == 1:
         return Dist()
     if backend == "auto":
@@ -97,7 +130,26 @@ def init_distributed(backend: str = "auto") -> Dist:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
-    return Dist(rank=dist.get_rank(), world_size=dist.get_world_size())
+    return mesh_dist(tp)
+
+
+def mesh_dist(tp: int = 1) -> Dist:
+    """This process's `Dist` in the initialised default process group, with its (dp, tp) DeviceMesh.
+    A collective (the mesh creates the dp and tp groups): every rank calls it, in the same order.
+
+    Raises:
+        ValueError: `tp` does not divide the world size.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    check_world_size(world_size, tp)
+    mesh = init_device_mesh(_mesh_device(), (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Dist(rank, world_size, tp, mesh)
+
+
+def _mesh_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def shutdown_distributed(ctx: Dist) -> None:
@@ -108,13 +160,23 @@ def shutdown_distributed(ctx: Dist) -> None:
 def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool = False) -> nn.Module:
     """The one place a model is parallelised, in this order (torchtitan's):
 
-    1. tensor parallelism — not yet (a later `dist.tp`); it must see the plain `nn.Linear` layers;
+    1. tensor parallelism over the mesh's `tp` dimension (`dist.tp` > 1;
+       `graft.train.tensor_parallel`): first, because its plan names the PEFT model's modules as
+       they are (each LoRA layer's `base_layer`, `lora_A`, `lora_B` are still `nn.Linear`) and turns
+       their weights into tp-sharded DTensors, which FSDP2 then shards further over dp;
     2. activation checkpointing per decoder layer: each layer keeps only its input for the backward
-       and recomputes the rest; before FSDP2, so each sharded unit is a checkpointed layer;
+       and recomputes the rest (its TP collectives included); before FSDP2, so each sharded unit is
+       a checkpointed layer;
     3. compile — not used;
-    4. FSDP2: each decoder layer one unit, the rest the root (one rank: nothing to shard), with
-       the mixed-precision policy of the base's dtype (`mixed_precision`).
+    4. FSDP2 over the mesh's `dp` dimension: each decoder layer one unit, the rest the root (one
+       data-parallel rank: nothing to shard), with the mixed-precision policy of the base's dtype
+       (`mixed_precision`). Its parameters become 2-D DTensors (dp, tp); gradients are reduced over
+       dp by FSDP2 and over tp by the DTensors' own backward, in the order every rank runs them.
     """
+    if ctx.tp > 1:
+        from graft.train.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, ctx.mesh["tp"])
     if activation_checkpointing:
         # HF's per-layer hook keeps module and parameter names unchanged (PEFT keys, checkpoints);
         # non-reentrant, so LoRA weights inside a layer get gradients although its input needs none.
@@ -142,15 +204,15 @@ def mixed_precision(model: nn.Module):
 
 
 def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
-    """FSDP2: each decoder layer is one unit, the rest the root. Gradients are summed over ranks, not
-    averaged: the loss of each rank's slice is already divided by the whole batch's divisor."""
-    if not ctx.active:
+    """FSDP2 over the data-parallel ranks: each decoder layer is one unit, the rest the root.
+    Gradients are summed over ranks, not averaged: the loss of each rank's slice is already divided
+    by the whole batch's divisor."""
+    if ctx.dp_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (ctx.world_size,))
+    mesh = ctx.mesh["dp"] if ctx.mesh is not None else init_device_mesh(_mesh_device(), (ctx.world_size,))
     policy = mixed_precision(model) or MixedPrecisionPolicy()
     for module in model.modules():
         if type(module).__name__.endswith("DecoderLayer"):
@@ -168,6 +230,49 @@ def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ctx.device), use_cache=False)
     reshard(model)
     return model
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, ctx: Dist) -> float:
+    """Scale the gradients of `params` to a global norm of at most `max_norm`; the global norm (the
+    one-process norm of the whole gradients, on every rank).
+
+    Sharded, every rank joins ONE all-reduce of its local shards' squared norms over the whole mesh,
+    each weighted by how many ranks hold the same elements (a tp-replicated lora_A counts once), also
+    when it holds no gradient at all (it adds zero). torch's `clip_grad_norm_` returns early on a rank
+    without gradients — the others then wait forever in its all-reduce — and cannot stack the norms of
+    DTensors on different meshes (the 2-D LoRA factors beside 1-D ones).
+    """
+    params = list(params)
+    if not ctx.active:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    from torch.distributed.tensor import DTensor
+
+    squares = torch.zeros((), dtype=torch.float64, device=_comm_device())
+    for param in params:
+        if param.grad is None:  # contributes zero; the all-reduce below is joined all the same
+            continue
+        grad = param.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        squares += local.detach().double().pow(2).sum().to(squares.device) * _replication_weight(grad, ctx)
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    coef = max_norm / (norm + 1e-6)  # torch's clip coefficient
+    if coef < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coef)
+    return norm
+
+
+def _replication_weight(grad: torch.Tensor, ctx: Dist) -> float:
+    """1 / the number of ranks that hold each element of `grad`: a DTensor's shards split its elements
+    over the mesh dimensions it is sharded on and repeat them over the rest of the world."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:  # a plain tensor: the same on every rank
+        return 1.0 / ctx.world_size
+    assert not any(p.is_partial() for p in placements), f"a partial gradient: {placements}"
+    shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate())
+    return shards / ctx.world_size
 
 
 def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:

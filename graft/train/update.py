@@ -27,7 +27,7 @@ from graft.rl.advantages import group_advantages
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
-from graft.train.distributed import Dist, full_tensor
+from graft.train.distributed import Dist, clip_grad_norm
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
 
@@ -124,13 +124,13 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
                 "skipped_nonfinite_steps": 0, "logprob_abs_diff_max": 0.0, "loss_rows": 0,
                 "train_seconds": time.perf_counter() - start}
     model.train()
-    plans_by_rank = plan_by_rank(minis, batch, train, ctx.world_size)
+    plans_by_rank = plan_by_rank(minis, batch, train, ctx.dp_size)  # the ranks of a TP group share rows
     single_step = train.epochs * len(minis) == 1
     cache, advantages, shaping = _before_the_first_step(model, batch, plans_by_rank, train, pad_id, ctx, single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
     for _ in range(train.epochs):
-        for mini, micros in zip(minis, plans_by_rank[ctx.rank]):
+        for mini, micros in zip(minis, plans_by_rank[ctx.dp_rank]):
             divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini], train.loss_norm_tokens)
             loss_sum = 0.0
             for part, weight in micros:
@@ -142,7 +142,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
                 tokens += part_tokens
                 for key in _TOKEN_STATS:
                     sums[key] += stats[key] * part_tokens
-            grad_norm = _optimizer_step(optimizer, params, train, loss_sum)
+            grad_norm = _optimizer_step(optimizer, params, train, loss_sum, ctx)
             grad_norms += [grad_norm] if math.isfinite(grad_norm) else []
             skipped += not math.isfinite(grad_norm)
             losses.append(loss_sum)
@@ -166,19 +166,21 @@ def _before_the_first_step(model: nn.Module, batch: RolloutBatch, plans_by_rank:
     The KL in the reward needs every row's sampling-policy and reference log-probs before the advantages
     (rows the overlong filter leaves out of the loss too: their rewards are in the group baselines)."""
     kl_in_reward = bool(train.kl_coef) and train.kl_in == "reward"
-    whole = plan_by_rank([list(range(len(batch.sequences)))], batch, train, ctx.world_size) if kl_in_reward else None
+    whole = plan_by_rank([list(range(len(batch.sequences)))], batch, train, ctx.dp_size) if kl_in_reward else None
     cache = _LogprobCache(model, batch, [a + b for a, b in zip(plans_by_rank, whole)] if whole else plans_by_rank,
-                          train, pad_id, ctx.rank, old_needed=not single_step or kl_in_reward)
-    rewards_PG, shaping = (_rewards_with_kl(batch.rewards_PG, cache, whole[ctx.rank], train, ctx) if whole
+                          train, pad_id, ctx.dp_rank, old_needed=not single_step or kl_in_reward)
+    rewards_PG, shaping = (_rewards_with_kl(batch.rewards_PG, cache, whole[ctx.dp_rank], train, ctx) if whole
                            else (batch.rewards_PG, {}))
     advantages = group_advantages(rewards_PG, normalize_std=train.normalize_adv_std, std=train.adv_std,
                                   baseline=train.adv_baseline).flatten()
     return cache, advantages.to(next(model.parameters()).device), shaping
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer, params: list, train: TrainConfig, loss_sum: float) -> float:
-    """Clip, step (unless the gradient norm is not finite) and zero the gradients; the global norm."""
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, train.grad_clip)).item()
+def _optimizer_step(optimizer: torch.optim.Optimizer, params: list, train: TrainConfig, loss_sum: float,
+                    ctx: Dist) -> float:
+    """Clip, step (unless the gradient norm is not finite) and zero the gradients; the global norm
+    (over the whole mesh, every rank joining: `clip_grad_norm`)."""
+    grad_norm = clip_grad_norm(params, train.grad_clip, ctx)
     if math.isfinite(grad_norm):  # the same global norm on every rank: one decision everywhere
         optimizer.step()
     elif train.on_nonfinite == "error":

@@ -1,0 +1,126 @@
+"""Tensor parallelism (`dist.tp`) of a PEFT LoRA model's decoder layers: the plans, the checks a run
+needs before any process group exists, and the one function `parallelize` calls.
+
+Megatron's pairing per decoder layer: attention's q/k/v and the MLP's gate/up are split column-wise
+(each TP rank computes its share of the heads and of the MLP width), o/down row-wise (each rank
+multiplies its share of the inputs; one all-reduce sums the partial outputs). Two all-reduces per
+layer in the forward, two in the backward. Embeddings, norms and the LM head stay whole on every TP
+rank (FSDP2 shards them over dp): graft's head runs only at completion positions, a chunk at a time
+(`graft.rl.logprobs`), so a vocabulary-parallel head would save little and need a parallel loss.
+
+LoRA: PEFT has already replaced each target by a `LoraLayer` holding `base_layer`, `lora_A` and
+`lora_B` (all `nn.Linear`), so the plan names those, not the target (parallelising only
+`base_layer` leaves the LoRA path's shapes wrong). y = base(x) + s * B(A(x)):
+
+- column-wise base (`W` split by output rows): `lora_B` column-wise too (its output rows are the
+  same split), `lora_A` replicated (its r-wide output is needed whole by every rank's `lora_B`);
+- row-wise base (`W` split by input columns, x arrives split): `lora_A` row-wise (each rank reads
+  its share of x; the r-wide output is all-reduced), `lora_B` replicated (adds to the all-reduced,
+  replicated base output).
+
+Every LoRA factor is then a DTensor on the tp mesh (replicated ones as `Replicate()`), so the
+gradients come out right without a hand-written reduction: DTensor's backward all-reduces the
+gradient of each replicated input over tp (the `from_local` of the next sharded layer), which makes
+a replicated factor's gradient whole and identical on every TP rank; FSDP2 then sums over dp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from peft.tuners.lora import LoraLayer
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from graft.config import ALL_LINEAR
+from graft.lora.attach import ADAPTER_NAME, lora_parameters
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+# model_type -> (projection inside each decoder layer -> how its base weight is split).
+PLANS: dict[str, dict[str, str]] = {
+    model_type: {"self_attn.q_proj": COLWISE, "self_attn.k_proj": COLWISE, "self_attn.v_proj": COLWISE,
+                 "self_attn.o_proj": ROWWISE, "mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE,
+                 "mlp.down_proj": ROWWISE}
+    for model_type in ("qwen2", "llama")
+}
+
+
+def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str] = ALL_LINEAR) -> None:
+    """Refuse, before any process group work, a `dist.tp` the model cannot be split by.
+
+    Args:
+        hf_config: the base model's transformers config (heads, KV heads, MLP width, model_type).
+        tp: ranks per tensor-parallel group.
+        target_modules: `lora.target_modules`; under TP only the planned projections may carry LoRA.
+
+    Raises:
+        ValueError: an architecture without a plan, heads, KV heads or the MLP width not divisible by
+            `tp`, or a LoRA target outside the plan (e.g. lm_head).
+    """
+    if tp == 1:
+        return
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in PLANS:
+        raise ValueError(f"dist.tp={tp}: no tensor-parallel plan for model_type {model_type!r} "
+                         f"(plans: {', '.join(sorted(PLANS))}); use dist.tp=1 (FSDP2 only)")
+    sizes = {"num_attention_heads": hf_config.num_attention_heads,
+             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+             "intermediate_size": hf_config.intermediate_size}
+    for key, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"dist.tp={tp} does not divide the model's {key} ({size}): each TP rank must hold "
+                             f"whole heads and an equal share of the MLP; choose a dist.tp that divides {size}")
+    if target_modules != ALL_LINEAR:
+        planned = {key.rsplit(".", 1)[-1] for key in PLANS[model_type]}
+        outside = [t for t in ([target_modules] if isinstance(target_modules, str) else target_modules)
+                   if t.rsplit(".", 1)[-1] not in planned]
+        if outside:
+            raise ValueError(f"dist.tp={tp}: LoRA on {outside[0]!r}, which the tensor-parallel plan does not split; "
+                             f"lora.target_modules may name only {', '.join(sorted(planned))} (or all-linear)")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Split every planned projection of `model` (a PEFT LoRA model of a planned architecture) over
+    `tp_mesh`, LoRA factors with it (see the module docstring). Module and parameter names do not
+    change (checkpoints and published adapters keep PEFT's names).
+
+    Raises:
+        ValueError: a LoRA factor outside the plan (it would stay a plain tensor beside DTensors).
+    """
+    layer_plan = PLANS[model.config.model_type]
+    split = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+    plan = {}
+    for name, module in model.named_modules():
+        how = next((h for suffix, h in layer_plan.items() if name.endswith("." + suffix)), None)
+        if how is None or ".layers." not in name:
+            continue
+        if not isinstance(module, LoraLayer):
+            plan[name] = split[how]()
+            continue
+        plan[f"{name}.base_layer"] = split[how]()
+        plan[f"{name}.lora_A.{ADAPTER_NAME}"] = Replicated() if how == COLWISE else RowwiseParallel()
+        plan[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel() if how == COLWISE else Replicated()
+    parallelize_module(model, tp_mesh, plan)
+    plain = [name for name, param in lora_parameters(model).items() if not hasattr(param, "device_mesh")]
+    if plain:
+        raise ValueError(f"LoRA parameter {plain[0]} lies outside the tensor-parallel plan; under dist.tp > 1 "
+                         "lora.target_modules may name only the decoder layers' projections")
+
+
+class Replicated(ParallelStyle):
+    """A ParallelStyle for a LoRA factor every TP rank holds whole: its weight a `Replicate()` DTensor
+    (so the gradient norm and the checkpoint see it once, not tp times), its input taken as
+    replicated, its output handed back as a plain tensor like the split layers' outputs."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def to_dtensor(_module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                         if not isinstance(x, DTensor) else x for x in inputs)
+
+        def to_local(_module, output, _mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        # partition_fn None: distribute_module replicates every parameter over the mesh
+        return distribute_module(module, device_mesh, None, to_dtensor, to_local)
