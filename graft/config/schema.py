@@ -92,6 +92,11 @@ class RolloutConfig(Section):
         "their own."
     )
 
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs each vLLM server graft launches splits the model over (vLLM "
+        "--tensor-parallel-size); independent of the trainer's dist.tp. Servers at rollout.urls keep their own."
+    )
+
     min_engines: int = Field(
         1, ge=1, description="Fewest live servers a run goes on with: a server of rollout.urls that dies or "
         "freezes is dropped for the rest of the run (its requests retried on the others) while at least this "
@@ -310,6 +315,12 @@ class DataConfig(Section):
 class DistConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
+    )
+    tp: int = Field(
+        1, ge=1,
+        description="Tensor-parallel ranks per group: each decoder layer (and its LoRA) is split over tp ranks, "
+                    "which see the same rows; the world size / tp data-parallel groups split each batch (FSDP2). "
+                    "Must divide the world size, the attention and KV heads and the MLP width; Qwen2 and Llama.",
     )
 
 

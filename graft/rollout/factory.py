@@ -71,6 +71,7 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
         model=str(require_model_dir(config.require_model_path("launch vLLM"))),
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
+        tensor_parallel_size=rollout.tensor_parallel_size,
         dev_endpoints=syncs and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES, log_dir=Path(run_dir) / "logs")
 
 

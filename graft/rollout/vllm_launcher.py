@@ -68,6 +68,7 @@ class VllmServerConfig:
         max_lora_rank: Largest adapter rank the server accepts; one of `VLLM_LORA_RANKS`.
         max_loras: Adapters held at once.
         max_model_len: Prompt + completion tokens per sequence; None = the model's own limit.
+        tensor_parallel_size: GPUs the server splits the model over (`--tensor-parallel-size`).
         kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
         log_dir: Where `vllm-<port>.log` is written; None means the system temp directory.
         startup_timeout_s: Seconds to wait for /health before giving up.
@@ -94,6 +95,7 @@ class VllmServerConfig:
     max_lora_rank: int = 8
     max_loras: int = 4
     max_model_len: int | None = 512
+    tensor_parallel_size: int = 1
     kv_cache_gib: int = 1
     log_dir: str | os.PathLike | None = None
     startup_timeout_s: float = 300.0
@@ -105,6 +107,8 @@ class VllmServerConfig:
     def __post_init__(self) -> None:
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
@@ -229,6 +233,8 @@ class VllmServer:
                 "--port", str(self.port), "--dtype", c.dtype]
         if c.max_model_len is not None:
             args += ["--max-model-len", str(c.max_model_len)]
+        if c.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
         if c.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
         if not _has_cuda():

@@ -47,6 +47,15 @@ PLANS: dict[str, dict[str, str]] = {
 }
 
 
+def load_hf_config(model_path: str):
+    """The base model's transformers config (a JSON read: heads, KV heads, MLP width, model_type)."""
+    from transformers import AutoConfig
+
+    from graft.models.loading import resolve_model_path
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(model_path)))
+
+
 def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str] = ALL_LINEAR) -> None:
     """Refuse, before any process group work, a `dist.tp` the model cannot be split by.
 

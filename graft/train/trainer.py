@@ -38,6 +38,7 @@ from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import RewardFn, get_reward
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
+from graft.train.tensor_parallel import check_tensor_parallel, load_hf_config
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
 from graft.train.dynamic_sampling import REFILL_SEED_STRIDE, refill_examples, sample_informative_groups
@@ -188,12 +189,15 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
     Raises:
         ResumeError: `resume` without a checkpoint, or a fresh run over an earlier run's checkpoints.
         ConfigError: model.path is not set.
+        ValueError: a `dist.tp` the model or the world size cannot be split by.
     """
     run_dir = Path(run_dir)
     config.require_model_path("train")
     _leave_a_core_to_local_vllm(config)
     return_freed_memory_to_the_os()
-    ctx = init_distributed(config.dist.backend)
+    if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
+        check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules)
+    ctx = init_distributed(config.dist.backend, config.dist.tp)
     try:
         with _run_dir_lock(run_dir) if ctx.is_main else contextlib.nullcontext():
             torch.manual_seed(config.train.seed)

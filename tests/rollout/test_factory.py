@@ -87,6 +87,9 @@ def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tm
     assert merged.dev_endpoints and merged.max_model_len is None and merged.dtype == "bfloat16"
     evaluating = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged"]), tmp_path, syncs=False)
     assert not evaluating.dev_endpoints  # eval reloads no weights, whatever sync.mode says
+    assert adapter.tensor_parallel_size == 1
+    split = launch_config(load_config(None, [f"model.path={base_dir}", "rollout.tensor_parallel_size=2"]), tmp_path)
+    assert split.tensor_parallel_size == 2
 
 
 def test_launch_config_gives_vllm_a_cached_hub_id_as_its_local_snapshot(base_dir, tmp_path, monkeypatch):

@@ -280,6 +280,12 @@ def test_max_model_len_none_leaves_the_model_default():
     assert args[args.index("--max-model-len") + 1] == "1024"
 
 
+def test_tensor_parallel_size_reaches_the_command_line():
+    assert "--tensor-parallel-size" not in VllmServer(VllmServerConfig(model="m", port=1)).command()
+    args = VllmServer(VllmServerConfig(model="m", port=1, tensor_parallel_size=2)).command()
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+
+
 def test_exposure_warning_names_what_the_network_reaches(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     for host in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
