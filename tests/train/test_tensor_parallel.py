@@ -12,10 +12,15 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from peft import PeftModel
 
+from graft.config import load_config
+from graft.lora.adapter_io import ADAPTER_WEIGHTS, write_adapter_files
+from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.train.distributed import Dist, mesh_dist
-from tests.train.test_distributed import _COMPARED, _updates
+from graft.train.policy import PolicyState
+from tests.train.test_distributed import _COMPARED, _batch, _updates
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
 _TIMEOUT = datetime.timedelta(seconds=120)
@@ -83,3 +88,82 @@ def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, tmp_path, arch, n_prom
 ])
 def test_dp2_tp2_on_four_ranks_updates_like_one(tp_model_dirs, tmp_path, n_prompts, group, overrides):
     _assert_mesh_like_one(tp_model_dirs["qwen2"], tmp_path, 4, 2, n_prompts, group, overrides)
+
+
+# --- checkpoints across meshes, published adapters -----------------------------------------------------
+
+def _policy_config(model_dir):
+    return load_config(None, [f"model.path={model_dir}", "rollout.engine=reference", "train.checkpoint_every=1",
+                              "train.keep_checkpoints=0", "train.steps=5", "train.warmup_steps=0", "train.lr=1e-4",
+                              "train.mini_batches=2", "train.tis_cap=2.0", "train.kl_coef=0.05",
+                              "train.entropy_coef=0.01", "train.max_tokens_per_micro_batch=16"])
+
+
+def _policy_step(ctx: Dist, model_dir, run_dir, out_dir, step: int) -> None:
+    """One `graft train` step of the real trainer state on this mesh: resume from RUN_DIR's newest
+    checkpoint (after step 1), learn, checkpoint; rank 0 writes the published adapter and the metrics,
+    the other ranks follow its announced collectives."""
+    policy = PolicyState(_policy_config(model_dir), run_dir, ctx, pad_id=0, resume=step > 1)
+    if not ctx.is_main:
+        policy.follow()
+        return
+    metrics = policy.learn(_batch(3, 2, seed=step), step)
+    policy.maybe_checkpoint(step)
+    tensors, adapter_config = policy.source.adapter(torch.float32)
+    (out_dir / f"adapter-{step}").mkdir()
+    write_adapter_files(tensors, adapter_config, out_dir / f"adapter-{step}")
+    (out_dir / f"metrics-{step}.json").write_text(json.dumps(metrics))
+    if ctx.active:
+        policy.release_followers()
+
+
+def _policy_step_rank(rank: int, world: int, tp: int, model_dir, run_dir, out_dir, step: int) -> None:
+    init_gloo(rank, world, out_dir / f"rendezvous-{step}")
+    try:
+        _policy_step(mesh_dist(tp), model_dir, run_dir, out_dir, step)
+    finally:
+        dist.destroy_process_group()
+
+
+def _logits(model_dir, adapter_dir) -> torch.Tensor:
+    model = PeftModel.from_pretrained(load_model(model_dir), str(adapter_dir))
+    input_ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def test_checkpoints_resume_across_meshes_and_published_adapters_load_in_peft(tp_model_dirs, tmp_path):
+    """One run's 5 steps, each on another mesh, resuming from the previous step's checkpoint:
+    tp=2 -> dp=2 -> dp=2 x tp=2 -> one process -> tp=2, against 5 steps on one process. Every step's
+    metrics and every published adapter (PEFT names, loaded with `PeftModel.from_pretrained`: the
+    same logits) equal the uninterrupted run's."""
+    model_dir = tp_model_dirs["qwen2"]
+    meshes = {1: (2, 2), 2: (2, 1), 3: (4, 2), 4: (1, 1), 5: (2, 2)}  # step -> (world, tp)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in meshes:
+            (tmp_path / "one" / "out").mkdir(parents=True, exist_ok=True)
+            _policy_step(Dist(), model_dir, tmp_path / "one", tmp_path / "one" / "out", step)
+        (tmp_path / "mesh" / "out").mkdir(parents=True)
+        for step, (world, tp) in meshes.items():
+            if world == 1:
+                _policy_step(Dist(), model_dir, tmp_path / "mesh", tmp_path / "mesh" / "out", step)
+            else:
+                mp.spawn(_policy_step_rank, args=(world, tp, model_dir, tmp_path / "mesh", tmp_path / "mesh" / "out",
+                                                  step), nprocs=world, join=True)
+    finally:
+        torch.set_num_threads(threads)
+    for step in meshes:
+        one = json.loads((tmp_path / "one" / "out" / f"metrics-{step}.json").read_text())
+        mesh = json.loads((tmp_path / "mesh" / "out" / f"metrics-{step}.json").read_text())
+        for key in _COMPARED:
+            assert mesh[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), (step, key)
+        one_adapter = safetensors.torch.load_file(tmp_path / "one" / "out" / f"adapter-{step}" / ADAPTER_WEIGHTS)
+        mesh_adapter = safetensors.torch.load_file(tmp_path / "mesh" / "out" / f"adapter-{step}" / ADAPTER_WEIGHTS)
+        assert mesh_adapter.keys() == one_adapter.keys()
+        assert all(".default." not in key for key in mesh_adapter)  # PEFT's saved names
+        for key, tensor in one_adapter.items():
+            torch.testing.assert_close(mesh_adapter[key], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(_logits(model_dir, tmp_path / "mesh" / "out" / "adapter-5"),
+                               _logits(model_dir, tmp_path / "one" / "out" / "adapter-5"), rtol=1e-5, atol=1e-5)
