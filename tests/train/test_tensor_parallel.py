@@ -6,6 +6,7 @@ deadlocks) fails the test instead of stalling it."""
 
 import datetime
 import json
+from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
@@ -13,14 +14,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from peft import PeftModel
+from torch.distributed.tensor import Shard, distribute_tensor
 
+from graft.cli import main
 from graft.config import load_config
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, write_adapter_files
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
-from graft.train.distributed import Dist, mesh_dist
+from graft.train.distributed import Dist, clip_grad_norm, mesh_dist
 from graft.train.policy import PolicyState
-from tests.train.test_distributed import _COMPARED, _batch, _updates
+from graft.train.tensor_parallel import check_tensor_parallel
+from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
 _TIMEOUT = datetime.timedelta(seconds=120)
@@ -167,3 +171,88 @@ def test_checkpoints_resume_across_meshes_and_published_adapters_load_in_peft(tp
             torch.testing.assert_close(mesh_adapter[key], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(_logits(model_dir, tmp_path / "mesh" / "out" / "adapter-5"),
                                _logits(model_dir, tmp_path / "one" / "out" / "adapter-5"), rtol=1e-5, atol=1e-5)
+
+
+# --- the grad norm on a rank without gradients ------------------------------------------------------------
+
+def _grad_norm_rank(rank: int, out_dir) -> None:
+    init_gloo(rank, 2, out_dir / "rendezvous")
+    try:
+        ctx = mesh_dist(1)
+        # One row sharded over 2 ranks: rank 1's shard is empty and gets no gradient at all.
+        param = torch.nn.Parameter(distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)]))
+        if rank == 0:
+            param.grad = distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)])
+        else:  # what the other rank's distribute_tensor above needs; then no gradient here
+            distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)])
+        norm = clip_grad_norm([param], 1.0, ctx)
+        clipped = param.grad.to_local().norm().item() if param.grad is not None else None
+        (out_dir / f"rank{rank}.json").write_text(json.dumps({"norm": norm, "clipped": clipped}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grad_norm_joins_the_all_reduce_on_a_rank_without_gradients(tmp_path):
+    """The seed's hang: torch's clip_grad_norm_ returns early on a rank with no gradients, while the
+    others wait in the norm's all-reduce. Here rank 1 holds none, joins, contributes zero, and both
+    ranks get the whole norm (5) and clip alike, well within the process group's timeout."""
+    mp.spawn(_grad_norm_rank, args=(tmp_path,), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["norm"] for r in ranks] == pytest.approx([5.0, 5.0])
+    assert ranks[0]["clipped"] == pytest.approx(1.0, rel=1e-5) and ranks[1]["clipped"] is None
+
+
+# --- errors before any process group work -------------------------------------------------------------------
+
+def _hf_config(model_type="qwen2", heads=4, kv_heads=2, intermediate=384):
+    return SimpleNamespace(model_type=model_type, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           intermediate_size=intermediate)
+
+
+@pytest.mark.parametrize("hf_config, targets, message", [
+    (_hf_config(heads=3, kv_heads=1), "all-linear", "num_attention_heads \\(3\\)"),
+    (_hf_config(kv_heads=1), "all-linear", "num_key_value_heads \\(1\\)"),
+    (_hf_config(intermediate=385), "all-linear", "intermediate_size \\(385\\)"),
+    (_hf_config(model_type="gpt2"), "all-linear", "no tensor-parallel plan for model_type 'gpt2'"),
+    (_hf_config(), ["q_proj", "lm_head"], "LoRA on 'lm_head'"),
+])
+def test_tp_the_model_cannot_be_split_by_is_refused(hf_config, targets, message):
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(hf_config, 2, targets)
+    check_tensor_parallel(hf_config, 1, targets)  # no TP: nothing to check
+
+
+def test_tp_is_checked_before_any_process_group(tiny_model_dirs, tp_model_dirs, tmp_path, capsys, monkeypatch):
+    """`graft train -o dist.tp=2`: one `graft: error:` line and exit 2, with no process group joined and
+    no run directory written, for a model whose KV heads it does not divide and for a world size (1)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cases = [(tiny_model_dirs["qwen2"], "dist.tp=2 does not divide the model's num_key_value_heads (1)"),
+             (tp_model_dirs["qwen2"], "dist.tp=2 does not divide the world size 1")]
+    for model_dir, message in cases:
+        code = main(["train", "-o", f"model.path={model_dir}", "-o", "rollout.engine=reference", "-o", "dist.tp=2",
+                     "--run-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: {message}"), err
+        assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+# --- graft train under torchrun --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_graft_train_with_tp2_under_torchrun_matches_one_rank(tp_model_dirs, tmp_path, mode):
+    """`torchrun --nproc-per-node 2 graft train ... -o dist.tp=2`: the same losses as one process
+    (<= 1e-5) on the reference engine; rank 0 publishes (the adapter it gathers over tp, or the merged
+    stream every rank joins) and verifies on the tensor-parallel model (the others joining)."""
+    overrides = [f"model.path={tp_model_dirs['qwen2']}", "model.dtype=float32", "rollout.engine=reference",
+                 f"sync.mode={mode}", "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3",
+                 "rollout.max_new_tokens=4", "train.kl_coef=0.05", "train.lr=5e-3", "lora.rank=4",
+                 "train.eval_examples=2", "data.reward=format"]
+    one = _graft_train(tmp_path / "one", overrides, nproc=1)
+    two = _graft_train(tmp_path / "two", [*overrides, "dist.tp=2"], nproc=2)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
+        for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert b["sync_logprob_abs_diff_max"] < 1e-4  # the engine serves what the TP shards trained
+        assert b["sync_bytes"] == a["sync_bytes"] and b["sync_mode"] == mode
