@@ -2,7 +2,8 @@
 
 `train.epochs` passes over the batch, each split into `train.mini_batches` mini-batches of whole
 prompt groups, one optimizer step per mini-batch (PPO-style: the ratio to the policy that started
-the update is clipped). A mini-batch may be split further over ranks (FSDP2) and micro-batches:
+the update is clipped). A mini-batch may be split further over data-parallel ranks (FSDP2; the ranks
+of one tensor-parallel group share their rows and hold the same losses) and micro-batches:
 every part's loss is divided by the whole mini-batch's divisor (`AGGREGATION_DIVISORS`), so
 gradients summed over parts and ranks equal those of the whole mini-batch on one process, and the
 reported metrics are whole-batch values. Which rows go to which rank and micro-batch, and how a
