@@ -336,6 +336,17 @@ class GraftConfig(Section):
     dist: DistConfig = Field(default_factory=DistConfig, description="Distributed training.")
 
     @model_validator(mode="after")
+    def _check_tensor_parallel_lora(self) -> "GraftConfig":
+        """Under TP a column-wise layer's lora_A is replicated: every TP rank must feed it the same
+        input, and dropout masks drawn on each rank (whose RNGs drift apart: rank 0 alone samples
+        rollouts) would make the replicas' gradients, then weights, silently differ."""
+        if self.dist.tp > 1 and self.lora.dropout > 0:
+            raise ConfigError(f"lora.dropout ({self.lora.dropout}) must be 0 with dist.tp={self.dist.tp}: the "
+                              "tensor-parallel ranks would draw different dropout masks for the same LoRA factor",
+                              keys=("lora.dropout", "dist.tp"))
+        return self
+
+    @model_validator(mode="after")
     def _check_engine_reachable(self) -> "GraftConfig":
         """An engine graft can reach: a server at `rollout.urls`, one it launches, or in-process."""
         rollout = self.rollout
