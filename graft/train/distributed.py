@@ -3,9 +3,10 @@
 `torchrun --nproc-per-node N graft train CONFIG` starts N ranks on a 2-D mesh (dp, tp): `dist.tp`
 ranks share each decoder layer (tensor parallel) and see the same rows; the N / tp data-parallel
 groups split each batch's rows. Rank 0 alone talks to the engines (rollouts, sync, verification)
-and writes the run directory; every rank holds a shard of the model. Nothing here knows about losses or LoRA math; the trainer calls these
-collectives in the same order on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a
-no-op on one process. Batches travel as tensors, never pickled.
+and writes the run directory; every rank holds a shard of the model. Nothing here knows about
+losses or LoRA math; the trainer calls these collectives in the same order on every rank. Without
+torchrun (`WORLD_SIZE` unset) everything is a no-op on one process. Batches travel as tensors, never
+pickled.
 """
 
 from __future__ import annotations

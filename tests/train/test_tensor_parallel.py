@@ -88,7 +88,8 @@ def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, tmp_path, arch, n_prom
 
 @pytest.mark.parametrize("n_prompts, group, overrides", [
     (4, 2, _MENU),
-    (1, 1, ["train.max_tokens_per_micro_batch=4", "train.tis_cap=2.0", "train.lr=1e-4"]),  # dp rank 1 (ranks 2, 3) has no rows
+    # one row: dp rank 1 (ranks 2 and 3) has none, runs stand-ins and still joins every collective
+    (1, 1, ["train.max_tokens_per_micro_batch=4", "train.tis_cap=2.0", "train.lr=1e-4"]),
 ])
 def test_dp2_tp2_on_four_ranks_updates_like_one(tp_model_dirs, tmp_path, n_prompts, group, overrides):
     _assert_mesh_like_one(tp_model_dirs["qwen2"], tmp_path, 4, 2, n_prompts, group, overrides)
