@@ -38,11 +38,16 @@ from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import RewardFn, get_reward
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
+from graft.train.dynamic_sampling import REFILL_SEED_STRIDE, refill_examples, sample_informative_groups
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
-from graft.train.dynamic_sampling import REFILL_SEED_STRIDE, refill_examples, sample_informative_groups
-from graft.train.rollout_batch import (RolloutBatch, build_rollout_batch, step_examples, step_sampling_params,
-                                       with_overlong_penalty)
+from graft.train.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    step_examples,
+    step_sampling_params,
+    with_overlong_penalty,
+)
 from graft.train.staleness import RolloutProducer
 
 __all__ = ["ResumeError", "RunDirError", "train"]
