@@ -14,7 +14,9 @@ Peaks are reported above the model's own memory (RSS after building it and its L
   micro-batch of 8) and "graft-settings" (no checkpointing, graft's token budget per micro-batch).
   `trl_peak_bytes` / `trl_seconds` are TRL's defaults; `trl` holds both.
 
-Seconds are the update's only (no generation on either side).
+Seconds are the update's only (no generation on either side): wall-clock, and CPU seconds of the
+whole process (all threads; `time.process_time`), which other jobs on a shared machine disturb
+far less than the wall-clock.
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
                                     tuple(spec["completion_tokens"]))
     batch = RolloutBatch(rows, [[-5.0] * len(c) for _, c in rows], rewards_PG, version=0, seconds=0.0)
     optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-4)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     metrics = policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"model_bytes": model_bytes, "peak_bytes": peak_bytes, "seconds": seconds,
+    return {"model_bytes": model_bytes, "peak_bytes": peak_bytes, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "tokens": sum(len(p) + len(c) for p, c in rows), "optimizer_steps": metrics["optimizer_steps"],
             "activation_checkpointing": model.is_gradient_checkpointing}
 
@@ -101,7 +103,7 @@ def _measured(label: str, shape: dict, tokens: int, console: Console, measure) -
         console.print(f"  {label} failed: {e}")
         return None
     console.print(f"  {label}: {(result['peak_bytes'] - result['model_bytes']) / 2**30:.2f} GiB above the model, "
-                  f"{result['seconds']:.0f} s")
+                  f"{result['seconds']:.0f} s ({result['cpu_seconds']:.0f} CPU-s)")
     return result
 
 
@@ -113,9 +115,10 @@ def _shape_row(shape: dict, spec: dict, overrides: list[str], python: Path | Non
     row = {**shape, "vocab": spec["dims"]["vocab"], "sequences": shape["sequences"], "tokens": tokens,
            "graft_model_bytes": graft.get("model_bytes"), "graft_peak_bytes": graft.get("peak_bytes"),
            "graft_above_model_bytes": graft["peak_bytes"] - graft["model_bytes"] if graft else None,
-           "graft_seconds": graft.get("seconds"),
+           "graft_seconds": graft.get("seconds"), "graft_cpu_seconds": graft.get("cpu_seconds"),
            "graft_activation_checkpointing": graft.get("activation_checkpointing"),
            "trl_model_bytes": None, "trl_peak_bytes": None, "trl_above_model_bytes": None, "trl_seconds": None,
+           "trl_cpu_seconds": None,
            "trl": {}}
     if python is None:
         return row
@@ -126,7 +129,8 @@ def _shape_row(shape: dict, spec: dict, overrides: list[str], python: Path | Non
     defaults = row["trl"]["trl-defaults"]
     if defaults:
         row.update(trl_model_bytes=defaults["model_bytes"], trl_peak_bytes=defaults["peak_bytes"],
-                   trl_above_model_bytes=defaults["above_model_bytes"], trl_seconds=defaults["seconds"])
+                   trl_above_model_bytes=defaults["above_model_bytes"], trl_seconds=defaults["seconds"],
+                   trl_cpu_seconds=defaults["cpu_seconds"])
     return row
 
 
@@ -150,17 +154,18 @@ def run_memory_bench(layers: tuple[int, ...] = (2,), overrides: list[str] | None
 
 def print_memory_report(result: dict) -> None:
     table = Table(title="graft bench memory: one GRPO update (one optimizer step), LoRA r16, fp32, real vocabulary")
-    for column in ("shape", "side", "rows", "tokens", "micro", "model GiB", "above model GiB", "s"):
+    for column in ("shape", "side", "rows", "tokens", "micro", "model GiB", "above model GiB", "s", "CPU-s"):
         table.add_column(column, justify="right")
     for s in result["shapes"]:
-        sides = [("graft", s["graft_model_bytes"], s["graft_above_model_bytes"], s["graft_seconds"], "token budget")]
+        sides = [("graft", s["graft_model_bytes"], s["graft_above_model_bytes"], s["graft_seconds"],
+                  s["graft_cpu_seconds"], "token budget")]
         sides += [(f"TRL {config}" + (" +ckpt" if t and t["gradient_checkpointing"] else ""),
-                   t and t["model_bytes"], t and t["above_model_bytes"], t and t["seconds"],
+                   t and t["model_bytes"], t and t["above_model_bytes"], t and t["seconds"], t and t["cpu_seconds"],
                    f"{t['gradient_accumulation_steps']} x {t['per_device_train_batch_size']}" if t else "")
                   for config, t in s["trl"].items()]
-        for side, model_bytes, above_bytes, seconds, micro in sides:
-            numbers = ([f"{model_bytes / 2**30:.2f}", f"{above_bytes / 2**30:.2f}", f"{seconds:.0f}"]
-                       if model_bytes is not None else ["failed", "failed", "failed"])
+        for side, model_bytes, above_bytes, seconds, cpu_seconds, micro in sides:
+            numbers = ([f"{model_bytes / 2**30:.2f}", f"{above_bytes / 2**30:.2f}", f"{seconds:.0f}",
+                        f"{cpu_seconds:.0f}"] if model_bytes is not None else ["failed"] * 4)
             table.add_row(s["name"], side, str(s["sequences"]), f"{s['tokens']:,}", micro, *numbers)
     Console().print(table)
 

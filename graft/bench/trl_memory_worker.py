@@ -100,10 +100,11 @@ def run(spec: dict) -> dict:
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            clock["start"] = time.perf_counter()
+            clock["start"], clock["cpu_start"] = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             clock["seconds"] = time.perf_counter() - clock["start"]
+            clock["cpu_seconds"] = time.process_time() - clock["cpu_start"]
 
     def no_reward(prompts, completions, **_):
         return [0.0] * len(prompts)
@@ -115,7 +116,8 @@ def run(spec: dict) -> dict:
     trainer.train()
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {"config": spec["config"], "model_bytes": model_bytes, "setup_bytes": setup_bytes, "peak_bytes": peak_bytes,
-           "seconds": clock["seconds"], "tokens": sum(len(p) + len(c) for p, c in rows),
+           "seconds": clock["seconds"], "cpu_seconds": clock["cpu_seconds"],
+           "tokens": sum(len(p) + len(c) for p, c in rows),
            "gradient_checkpointing": trainer.args.gradient_checkpointing,
            "per_device_train_batch_size": args["per_device_train_batch_size"],
            "gradient_accumulation_steps": args["gradient_accumulation_steps"], "padded_length": padded_length,

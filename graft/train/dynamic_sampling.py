@@ -21,8 +21,9 @@ from dataclasses import replace
 import torch
 
 from graft.rl.advantages import informative_groups
+from graft.rollout.engine import SamplingParams
 from graft.tasks.examples import Example
-from graft.train.rollout_batch import RolloutBatch
+from graft.train.rollout_batch import RolloutBatch, step_examples
 
 # round -> the batch of that round's prompts (round 0: the step's own prompts).
 RoundSampler = Callable[[int], Awaitable[RolloutBatch]]
@@ -40,6 +41,16 @@ def refill_examples(train_set: list[Example], step: int, round_: int, batch_prom
     n = len(train_set)
     picks = rng.sample(range(n), batch_prompts) if batch_prompts <= n else rng.choices(range(n), k=batch_prompts)
     return [train_set[i] for i in picks]
+
+
+def round_inputs(train_set: list[Example], step: int, round_: int, batch_prompts: int, seed: int,
+                 params: SamplingParams) -> tuple[list[Example], SamplingParams]:
+    """The prompts and sampling settings of round `round_` of `step`: round 0 is the step's own batch
+    (`step_examples`, `params`), later rounds are refills with their own seeds."""
+    if round_ == 0:
+        return step_examples(train_set, step, batch_prompts, seed), params
+    refill_params = params if params.seed is None else replace(params, seed=params.seed + round_ * REFILL_SEED_STRIDE)
+    return refill_examples(train_set, step, round_, batch_prompts, seed), refill_params
 
 
 async def sample_informative_groups(sample_round: RoundSampler, batch_prompts: int, max_rounds: int) -> RolloutBatch:

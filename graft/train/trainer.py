@@ -21,7 +21,7 @@ import contextlib
 import fcntl
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,11 +38,15 @@ from graft.tasks.examples import Example, load_task_data
 from graft.tasks.rewards import RewardFn, get_reward
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
+from graft.train.dynamic_sampling import round_inputs, sample_informative_groups
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
-from graft.train.dynamic_sampling import REFILL_SEED_STRIDE, refill_examples, sample_informative_groups
-from graft.train.rollout_batch import (RolloutBatch, build_rollout_batch, step_examples, step_sampling_params,
-                                       with_overlong_penalty)
+from graft.train.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    step_sampling_params,
+    with_overlong_penalty,
+)
 from graft.train.staleness import RolloutProducer
 from graft.train.tensor_parallel import check_tensor_parallel, load_hf_config
 
@@ -123,10 +127,8 @@ class _Leader:
         train, params = self.config.train, step_sampling_params(self.config, step)
 
         async def sample_round(round_: int) -> RolloutBatch:
-            examples = (step_examples(self.task.train_set, step, train.batch_prompts, train.seed) if round_ == 0 else
-                        refill_examples(self.task.train_set, step, round_, train.batch_prompts, train.seed))
-            round_params = params if params.seed is None else replace(
-                params, seed=params.seed + round_ * REFILL_SEED_STRIDE)
+            examples, round_params = round_inputs(self.task.train_set, step, round_, train.batch_prompts, train.seed,
+                                                  params)
             return await build_rollout_batch(
                 self.engine, adapter=self.sync.request_adapter(version), version=version,
                 inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,

@@ -64,12 +64,13 @@ def test_shapes_state_their_batch():
 def test_command_writes_graft_and_both_trl_configurations_per_shape(monkeypatch, tmp_path, capsys):
     def fake_trl(python, spec, config, work_dir):
         return {"config": config, "model_bytes": 10, "peak_bytes": 40 if config == "trl-defaults" else 30,
-                "seconds": 3.0, "gradient_checkpointing": config == "trl-defaults", "per_device_train_batch_size": 8,
+                "seconds": 3.0, "cpu_seconds": 5.0, "gradient_checkpointing": config == "trl-defaults", "per_device_train_batch_size": 8,
                 "gradient_accumulation_steps": 4, "trl_version": "1.16.0"}
 
     monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
     monkeypatch.setattr(memory, "measure_graft",
-                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "tokens": 4096})
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "cpu_seconds": 4.0,
+                                                          "tokens": 4096})
     monkeypatch.setattr(memory, "measure_trl", fake_trl)
     out = tmp_path / "memory.json"
     assert main(["bench", "memory", "--layers", "24", "--json", str(out)]) == 0
@@ -78,6 +79,7 @@ def test_command_writes_graft_and_both_trl_configurations_per_shape(monkeypatch,
         "qwen2.5-0.5b-shape", 24, 151_936, 8, 4096)
     assert (row["graft_peak_bytes"], row["graft_above_model_bytes"], row["graft_seconds"]) == (20, 10, 2.0)
     assert (row["trl_peak_bytes"], row["trl_above_model_bytes"], row["trl_seconds"]) == (40, 30, 3.0)  # TRL's defaults
+    assert (row["graft_cpu_seconds"], row["trl_cpu_seconds"]) == (4.0, 5.0)
     assert set(row["trl"]) == set(CONFIGS) and row["trl"]["graft-settings"]["above_model_bytes"] == 20
     progress = capsys.readouterr().err
     assert all(f"measuring {side} at qwen2.5-0.5b-shape (8 sequences, 4,096 tokens)" in progress
@@ -89,6 +91,7 @@ def test_graft_only_run_measures_a_tiny_shape_in_a_fresh_process():
     (row,) = result["shapes"]
     assert row["tokens"] == 16 * 6 + 8 * 10 + 8 * 5 and row["vocab"] == 500
     assert row["graft_peak_bytes"] >= row["graft_model_bytes"] > 0 and row["graft_seconds"] > 0
+    assert row["graft_cpu_seconds"] > 0
     assert row["trl_peak_bytes"] is None and row["trl_seconds"] is None and row["trl"] == {}
     assert row["graft_activation_checkpointing"] is True  # graft's default
     # The override reaches the model, set up as the trainer sets it up.
@@ -108,19 +111,21 @@ def test_trl_worker_trains_on_graft_batch(tmp_path):
         assert Counter(json.dumps(r) for r in result["batch"]) == Counter(json.dumps(list(r)) for r in rows)
         assert result["optimizer_steps"] == 1 and result["tokens"] == 216
         assert result["gradient_checkpointing"] is True  # TRL's default, and graft's
-        assert result["peak_bytes"] >= result["model_bytes"] > 0 and result["seconds"] > 0
+        assert result["peak_bytes"] >= result["model_bytes"] > 0 and result["seconds"] > 0 and result["cpu_seconds"] > 0
 
 
 def test_a_killed_measurement_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):
     def trl_killed_for_graft_settings(python, spec, config, work_dir):
         if config == "graft-settings":
             raise TrlEnvError("the TRL run failed (exit -9)")
-        return {"config": config, "model_bytes": 10, "peak_bytes": 40, "seconds": 3.0, "gradient_checkpointing": True,
+        return {"config": config, "model_bytes": 10, "peak_bytes": 40, "seconds": 3.0, "cpu_seconds": 5.0,
+                "gradient_checkpointing": True,
                 "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "trl_version": "1.16.0"}
 
     monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
     monkeypatch.setattr(memory, "measure_graft",
-                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "tokens": 16_384})
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "cpu_seconds": 4.0,
+                                                          "tokens": 16_384})
     monkeypatch.setattr(memory, "measure_trl", trl_killed_for_graft_settings)
     result = run_memory_bench(layers=(2,))
     (row,) = result["shapes"]

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from graft.tasks.examples import Example
-from graft.train.dynamic_sampling import refill_examples, sample_informative_groups, select_groups
-from graft.train.rollout_batch import RolloutBatch, with_overlong_penalty
+from graft.rollout.engine import SamplingParams
+from graft.train.dynamic_sampling import (
+    REFILL_SEED_STRIDE,
+    refill_examples,
+    round_inputs,
+    sample_informative_groups,
+    select_groups,
+)
+from graft.train.rollout_batch import RolloutBatch, step_examples, with_overlong_penalty
 
 G = 2
 
@@ -74,6 +81,12 @@ def test_refill_prompts_are_a_pure_function_of_seed_step_and_round():
               refill_examples(train_set, 4, 1, 8, 1)]
     assert all(o != first for o in others)
     assert len(refill_examples(train_set[:3], 1, 1, 8, 0)) == 8  # a small train set: with replacement
+
+    params = SamplingParams(n=4, seed=1234)
+    assert round_inputs(train_set, 4, 0, 8, 0, params) == (step_examples(train_set, 4, 8, 0), params)
+    examples, refill_params = round_inputs(train_set, 4, 2, 8, 0, params)
+    assert examples == refill_examples(train_set, 4, 2, 8, 0) and refill_params.seed == 1234 + 2 * REFILL_SEED_STRIDE
+    assert round_inputs(train_set, 4, 2, 8, 0, SamplingParams(n=4))[1].seed is None  # unseeded stays unseeded
 
 
 def test_overlong_penalty_shapes_the_rewards_by_length():
