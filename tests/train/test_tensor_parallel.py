@@ -25,6 +25,7 @@ from graft.train.distributed import Dist, clip_grad_norm, mesh_dist
 from graft.train.policy import PolicyState
 from graft.train.tensor_parallel import check_tensor_parallel
 from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates
+from tests.train.test_mixed_precision import _update_recording_dtypes
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
 _TIMEOUT = datetime.timedelta(seconds=120)
@@ -94,6 +95,31 @@ def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, tmp_path, arch, n_prom
 def test_dp2_tp2_on_four_ranks_updates_like_one(tp_model_dirs, tmp_path, n_prompts, group, overrides):
     _assert_mesh_like_one(tp_model_dirs["qwen2"], tmp_path, 4, 2, n_prompts, group, overrides)
 
+
+def _bf16_rank(rank: int, model_dir, out_dir) -> None:
+    init_gloo(rank, 4, out_dir / "rendezvous")
+    try:
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(_update_recording_dtypes(model_dir, "bfloat16",
+                                                                                      mesh_dist(2))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dp2_tp2_bf16_base_computes_in_bf16_and_keeps_fp32_lora_state(tp_model_dirs, tmp_path):
+    """dp=2 x tp=2 with a bf16 base: FSDP2's mixed precision over the 2-D LoRA DTensors (forward in
+    bf16; LoRA factors, gradients and AdamW state fp32), the fp32 one-process run's metrics to bf16
+    rounding."""
+    model_dir = tp_model_dirs["qwen2"]
+    mp.spawn(_bf16_rank, args=(model_dir, tmp_path), nprocs=4, join=True)
+    single = _update_recording_dtypes(model_dir, "float32", Dist())
+    for rank in range(4):
+        sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sharded["forward"] == ["torch.bfloat16"] and sharded["base"] == ["torch.bfloat16"], rank
+        for key in ("lora", "grad", "adamw"):
+            assert sharded[key] == ["torch.float32"], (rank, key)
+        for a, b in zip(single["metrics"], sharded["metrics"]):
+            for key in ("loss", "grad_norm", "kl"):
+                assert b[key] == pytest.approx(a[key], rel=0.05, abs=1e-3), (rank, key)
 
 # --- checkpoints across meshes, published adapters -----------------------------------------------------
 
