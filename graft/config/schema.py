@@ -25,6 +25,7 @@ from graft.config.base import (
     is_loopback_url,
     module_list,
 )
+from graft.config.dist import DistConfig
 from graft.config.objective import ObjectiveFields
 
 
@@ -312,18 +313,6 @@ class DataConfig(Section):
         return self
 
 
-class DistConfig(Section):
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
-    )
-    tp: int = Field(
-        1, ge=1,
-        description="Tensor-parallel ranks per group: each decoder layer (and its LoRA) is split over tp ranks, "
-                    "which see the same rows; the world size / tp data-parallel groups split each batch (FSDP2). "
-                    "Must divide the world size, the attention and KV heads and the MLP width; Qwen2 and Llama.",
-    )
-
-
 class GraftConfig(Section):
     """The whole run. Every section has defaults, so `GraftConfig()` is a valid (tiny) run."""
 
@@ -334,17 +323,6 @@ class GraftConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and RL loss.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts and reward.")
     dist: DistConfig = Field(default_factory=DistConfig, description="Distributed training.")
-
-    @model_validator(mode="after")
-    def _check_tensor_parallel_lora(self) -> "GraftConfig":
-        """Under TP a column-wise layer's lora_A is replicated: every TP rank must feed it the same
-        input, and dropout masks drawn on each rank (whose RNGs drift apart: rank 0 alone samples
-        rollouts) would make the replicas' gradients, then weights, silently differ."""
-        if self.dist.tp > 1 and self.lora.dropout > 0:
-            raise ConfigError(f"lora.dropout ({self.lora.dropout}) must be 0 with dist.tp={self.dist.tp}: the "
-                              "tensor-parallel ranks would draw different dropout masks for the same LoRA factor",
-                              keys=("lora.dropout", "dist.tp"))
-        return self
 
     @model_validator(mode="after")
     def _check_engine_reachable(self) -> "GraftConfig":

@@ -56,17 +56,22 @@ def load_hf_config(model_path: str):
     return AutoConfig.from_pretrained(str(resolve_model_path(model_path)))
 
 
-def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str] = ALL_LINEAR) -> None:
+def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str] = ALL_LINEAR,
+                          lora_dropout: float = 0.0) -> None:
     """Refuse, before any process group work, a `dist.tp` the model cannot be split by.
 
     Args:
         hf_config: the base model's transformers config (heads, KV heads, MLP width, model_type).
         tp: ranks per tensor-parallel group.
         target_modules: `lora.target_modules`; under TP only the planned projections may carry LoRA.
+        lora_dropout: `lora.dropout`, which must be 0: a column-wise layer's lora_A is replicated, so
+            every TP rank must feed it the same input, and dropout masks drawn on each rank (whose RNGs
+            drift apart: rank 0 alone samples rollouts) would make the replicas' gradients, then
+            weights, silently differ.
 
     Raises:
         ValueError: an architecture without a plan, heads, KV heads or the MLP width not divisible by
-            `tp`, or a LoRA target outside the plan (e.g. lm_head).
+            `tp`, a LoRA target outside the plan (e.g. lm_head), or LoRA dropout.
     """
     if tp == 1:
         return
@@ -81,6 +86,9 @@ def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str
         if size % tp:
             raise ValueError(f"dist.tp={tp} does not divide the model's {key} ({size}): each TP rank must hold "
                              f"whole heads and an equal share of the MLP; choose a dist.tp that divides {size}")
+    if lora_dropout:
+        raise ValueError(f"lora.dropout ({lora_dropout}) must be 0 with dist.tp={tp}: the tensor-parallel ranks "
+                         "would draw different dropout masks for the same LoRA factor")
     if target_modules != ALL_LINEAR:
         planned = {key.rsplit(".", 1)[-1] for key in PLANS[model_type]}
         outside = [t for t in ([target_modules] if isinstance(target_modules, str) else target_modules)

@@ -198,7 +198,8 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
     _leave_a_core_to_local_vllm(config)
     return_freed_memory_to_the_os()
     if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
-        check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules)
+        check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules,
+                              config.lora.dropout)
     ctx = init_distributed(config.dist.backend, config.dist.tp)
     try:
         with _run_dir_lock(run_dir) if ctx.is_main else contextlib.nullcontext():

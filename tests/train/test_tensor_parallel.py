@@ -17,7 +17,7 @@ from peft import PeftModel
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from graft.cli import main
-from graft.config import ConfigError, load_config
+from graft.config import load_config
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, write_adapter_files
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
@@ -249,10 +249,12 @@ def test_tp_the_model_cannot_be_split_by_is_refused(hf_config, targets, message)
     check_tensor_parallel(hf_config, 1, targets)  # no TP: nothing to check
 
 
-def test_lora_dropout_under_tp_is_a_config_error():
-    with pytest.raises(ConfigError, match="lora.dropout \\(0.1\\) must be 0 with dist.tp=2"):
-        load_config(None, ["dist.tp=2", "lora.dropout=0.1"])
-    assert load_config(None, ["dist.tp=2"]).dist.tp == 2 and load_config(None, ["lora.dropout=0.1"]).dist.tp == 1
+def test_lora_dropout_under_tp_is_refused():
+    """A replicated lora_A needs the same input on every TP rank; per-rank dropout masks would differ."""
+    with pytest.raises(ValueError, match="lora.dropout \\(0.1\\) must be 0 with dist.tp=2"):
+        check_tensor_parallel(_hf_config(), 2, "all-linear", lora_dropout=0.1)
+    check_tensor_parallel(_hf_config(), 2, "all-linear")
+    check_tensor_parallel(_hf_config(), 1, "all-linear", lora_dropout=0.1)
 
 
 def test_tp_is_checked_before_any_process_group(tiny_model_dirs, tp_model_dirs, tmp_path, capsys, monkeypatch):
