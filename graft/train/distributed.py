@@ -42,6 +42,9 @@ class Dist:
     tp: int = 1
     mesh: object = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        assert self.tp == 1 or self.mesh is not None, "tensor parallel needs the (dp, tp) mesh: use mesh_dist"
+
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: each batch's rows are split over these."""
