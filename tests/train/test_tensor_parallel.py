@@ -2,8 +2,9 @@
 tp=2 on 2 ranks and dp=2 x tp=2 on 4 ranks, 3 updates with mini-batches, micro-batches, KL (in the
 loss or the reward), entropy and TIS: the same losses, grad norms, stats and LoRA weights (<= 1e-5),
 also when a data-parallel rank has no rows. Checkpoints resume across meshes, published adapters
-load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one process. Every collective runs under a short process-group timeout, so a hang (the seed's
-deadlocks) fails the test instead of stalling it."""
+load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one process. Every collective
+runs under a short process-group timeout, so a hang (the seed's deadlocks) fails the test instead of
+stalling it."""
 
 import datetime
 import json
@@ -85,7 +86,8 @@ _MENU = ["train.mini_batches=2", "train.tis_cap=2.0", "train.max_tokens_per_micr
 
 @pytest.mark.parametrize("arch, n_prompts, group, overrides", [
     ("qwen2", 4, 2, _MENU),
-    ("llama", 3, 3, [*_MENU, "train.pack_sequences=false", "train.activation_checkpointing=false", "train.kl_in=reward"]),
+    ("llama", 3, 3, [*_MENU, "train.pack_sequences=false", "train.activation_checkpointing=false",
+                     "train.kl_in=reward"]),
 ])
 def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, tmp_path, arch, n_prompts, group, overrides):
     _assert_mesh_like_one(tp_model_dirs[arch], tmp_path, 2, 2, n_prompts, group, overrides)
