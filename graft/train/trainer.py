@@ -35,7 +35,8 @@ from graft.rollout.engine import RolloutEngine
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.examples import Example, load_task_data
-from graft.tasks.rewards import RewardFn, get_reward
+from graft.tasks.reward_loading import load_scorer
+from graft.tasks.scoring import Scorer
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
@@ -48,12 +49,12 @@ __all__ = ["ResumeError", "RunDirError", "train"]
 
 @dataclass(frozen=True)
 class _Task:
-    """What the run trains on: prompts, held-out prompts, tokenizer, reward."""
+    """What the run trains on: prompts, held-out prompts, tokenizer, rewards."""
 
     train_set: list[Example]
     eval_set: list[Example]
     tokenizer: object
-    reward_fn: RewardFn
+    scorer: Scorer
 
 
 class _Leader:
@@ -121,11 +122,11 @@ class _Leader:
             self.engine, adapter=self.sync.request_adapter(version), version=version, inflight=self.sync.inflight,
             examples=step_examples(self.task.train_set, step, train.batch_prompts, train.seed),
             tokenizer=self.task.tokenizer, params=step_sampling_params(self.config, step),
-            reward_fn=self.task.reward_fn)
+            scorer=self.task.scorer)
 
     async def _evaluate(self) -> float:
         return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
-                              self.config.rollout.max_new_tokens)
+                              self.config.rollout.max_new_tokens, self.task.scorer)
 
 
 def _progress() -> Progress:
@@ -145,7 +146,7 @@ def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict
         "rollout_seconds": batch.seconds, "rollout_tokens": batch.tokens,
         "rollout_tokens_per_s": batch.tokens / batch.seconds if batch.seconds else 0.0,
         "rollout_version": batch.version, "staleness_max": step - 1 - batch.version, "dropped_stale_batches": dropped,
-        "step_seconds": step_seconds,
+        "step_seconds": step_seconds, **batch.reward_metrics,
     }
 
 
@@ -160,9 +161,9 @@ def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
 
 
 def _load_task(config: GraftConfig) -> _Task:
+    scorer = load_scorer(config.data)  # user reward code imports (or fails) before the data is read
     train_set, eval_set = load_task_data(config.data)
-    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path),
-                 get_reward(config.data.reward))
+    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer)
 
 
 async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = False) -> dict:
