@@ -39,7 +39,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_config(args: argparse.Namespace) -> None:
     from graft.config import config_to_yaml, load_config, save_config
-
     from graft.tasks.reward_loading import load_scorer
 
     config = load_config(args.config, args.override)

@@ -97,8 +97,8 @@ def test_a_module_path(tmp_path, monkeypatch):
     ("rewards/mine.py:THRESHOLD", r"rewards/mine.py:THRESHOLD is a float, not a function"),
     ("rewards/mine.py:three", r"reward 'rewards/mine.py:three' has the signature \(completion, example, extra\); "
                               r"graft calls fn\(completion: str, example: Example\) -> float, or batched"),
-    ("rewards/mine.py:trl_style", r"reward '.*' has the signature \(prompts, completions, \*\*kwargs\);.*TRL's fn\(prompts, "
-                                  r"completions, \*\*kwargs\) becomes fn\(completions, examples\)"),
+    ("rewards/mine.py:trl_style", r"reward '.*' has the signature \(prompts, completions, \*\*kwargs\);.*"
+                                  r"TRL's fn\(prompts, completions, \*\*kwargs\) becomes fn\(completions, examples\)"),
 ])
 def test_each_bad_reference_is_one_error_naming_the_key(reward_file, name, problem):
     with pytest.raises(ValueError, match="^data.rewards\\[0\\].name: " + problem):
