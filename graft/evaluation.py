@@ -1,5 +1,5 @@
-"""Held-out accuracy: greedy answers from an engine, scored by the run's reward (data.reward or the
-weighted sum of data.rewards; exact numeric match when no scorer is given).
+"""Held-out accuracy: greedy answers from an engine, scored by data.eval_reward, else the run's
+reward (data.reward or the weighted sum of data.rewards); exact numeric match when no scorer is given.
 
 The mean score is reported as "accuracy": for a 0/1 reward such as exact_numeric or math it is the
 fraction answered right. Used by the trainer (before, during and after a run) and by
@@ -17,7 +17,7 @@ from graft.models.loading import load_tokenizer
 from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.factory import open_engine
 from graft.tasks.examples import Example, load_task_data, render_prompt_ids
-from graft.tasks.reward_loading import load_scorer
+from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
 from graft.tasks.scoring import RewardTerm, Scorer
 
@@ -46,7 +46,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)  # a clear error before any server starts
         read_adapter_tensors(adapter_dir)  # NaN/inf weights never reach a (possibly shared) server
-    scorer = load_scorer(config.data)
+    scorer = load_eval_scorer(config.data)
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)

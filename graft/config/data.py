@@ -85,6 +85,10 @@ class DataConfig(Section):
     rewards: list[RewardSpec] = Field(
         default_factory=list, description="Several rewards, [{name, weight}]: their weighted sum drives the "
         "advantages and each is logged as reward/<name>. Replaces data.reward.")
+    eval_reward: str | None = Field(
+        None, description="The reward that scores held-out greedy answers (its mean is reported as accuracy), in "
+        "any form data.reward takes, e.g. exact_numeric or math when training on a shaped sum; null = the "
+        "training reward (data.reward, or the weighted sum of data.rewards).")
     reward_errors: Literal["raise", "zero"] = Field(
         "raise", description="A reward that raises (or returns a non-number): 'raise' stops the run with one error "
         "naming the reward and the example, with the end of its traceback; 'zero' scores that completion 0 for "
@@ -101,7 +105,7 @@ class DataConfig(Section):
             data = {**data, "reward": None}
         return data
 
-    @field_validator("reward")
+    @field_validator("reward", "eval_reward")
     @classmethod
     def _check_reward(cls, v: str | None) -> str | None:
         return v if v is None else check_reward_name(v)

@@ -50,6 +50,18 @@ def load_scorer(data_config: DataConfig) -> Scorer:
     return Scorer(terms, on_error=data_config.reward_errors)
 
 
+def load_eval_scorer(data_config: DataConfig) -> Scorer:
+    """The `Scorer` of held-out evaluations: data.eval_reward alone, else the training rewards.
+
+    Raises:
+        ValueError: As `load_scorer`.
+    """
+    if data_config.eval_reward is None:
+        return load_scorer(data_config)
+    fn, batched = resolve_reward(data_config.eval_reward, "data.eval_reward")
+    return Scorer([RewardTerm(data_config.eval_reward, fn, 1.0, batched)], on_error=data_config.reward_errors)
+
+
 def resolve_reward(name: str, key: str = "data.reward") -> tuple[Callable[..., Any], bool]:
     """The function a reward name refers to, and whether it is batched.
 

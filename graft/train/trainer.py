@@ -35,7 +35,7 @@ from graft.rollout.engine import RolloutEngine
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.examples import Example, load_task_data
-from graft.tasks.reward_loading import load_scorer
+from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 from graft.tasks.scoring import Scorer
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
@@ -55,6 +55,7 @@ class _Task:
     eval_set: list[Example]
     tokenizer: object
     scorer: Scorer
+    eval_scorer: Scorer
 
 
 class _Leader:
@@ -126,7 +127,7 @@ class _Leader:
 
     async def _evaluate(self) -> float:
         return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
-                              self.config.rollout.max_new_tokens, self.task.scorer)
+                              self.config.rollout.max_new_tokens, self.task.eval_scorer)
 
 
 def _progress() -> Progress:
@@ -161,9 +162,11 @@ def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
 
 
 def _load_task(config: GraftConfig) -> _Task:
-    scorer = load_scorer(config.data)  # user reward code imports (or fails) before the data is read
+    # User reward code imports (or fails) before the data is read.
+    scorer, eval_scorer = load_scorer(config.data), load_eval_scorer(config.data)
     train_set, eval_set = load_task_data(config.data)
-    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer)
+    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer,
+                 eval_scorer)
 
 
 async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = False) -> dict:

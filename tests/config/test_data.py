@@ -58,6 +58,12 @@ def test_weights_must_be_finite_and_errors_raise_or_zero():
     assert load_config(overrides=["data.reward_errors=zero"]).data.reward_errors == "zero"
 
 
+def test_eval_reward_takes_every_form_and_defaults_to_the_training_rewards():
+    assert DataConfig().eval_reward is None
+    assert load_config(overrides=["data.eval_reward=rewards/mine.py:fn"]).data.eval_reward == "rewards/mine.py:fn"
+    assert _error(overrides=["data.eval_reward=mod:fn()"]).startswith("data.eval_reward: 'mod:fn()' is neither")
+
+
 def test_field_mapping_and_system_prompt():
     data = load_config(overrides=["data.path=gsm8k/train", "data.prompt_key=question", "data.answer_key=",
                                   "data.system_prompt=Think step by step."]).data

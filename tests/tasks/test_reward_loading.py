@@ -9,7 +9,7 @@ import pytest
 
 from graft.config import DataConfig, RewardSpec
 from graft.tasks import Example
-from graft.tasks.reward_loading import load_scorer, resolve_reward
+from graft.tasks.reward_loading import load_eval_scorer, load_scorer, resolve_reward
 from graft.tasks.rewards import exact_numeric
 
 USER_REWARDS = '''
@@ -133,3 +133,15 @@ def test_load_scorer_names_each_term_by_its_key(reward_file):
                                                                       ("rewards/mine.py:length", 0.1, True)]
     assert scorer.on_error == "zero"
     assert [t.name for t in load_scorer(DataConfig()).terms] == ["exact_numeric"]
+
+
+def test_the_eval_scorer_is_eval_reward_alone_else_the_training_rewards(reward_file):
+    config = DataConfig(rewards=[RewardSpec(name="math"), RewardSpec(name="rewards/mine.py:length", weight=0.1)])
+    assert [(t.name, t.weight) for t in load_eval_scorer(config).terms] == [("math", 1.0),
+                                                                           ("rewards/mine.py:length", 0.1)]
+    config = config.model_copy(update={"eval_reward": "rewards/mine.py:shout", "reward_errors": "zero"})
+    scorer = load_eval_scorer(config)
+    assert [(t.name, t.weight, t.batched) for t in scorer.terms] == [("rewards/mine.py:shout", 1.0, False)]
+    assert scorer.on_error == "zero"
+    with pytest.raises(ValueError, match=r"^data.eval_reward: unknown reward 'maths'"):
+        load_eval_scorer(config.model_copy(update={"eval_reward": "maths"}))

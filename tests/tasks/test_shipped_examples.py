@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from graft.config import load_config
-from graft.tasks import load_examples, load_scorer, load_task_data
+from graft.tasks import load_eval_scorer, load_examples, load_scorer, load_task_data
 
 REPO = Path(__file__).parents[2]
 
@@ -33,3 +33,5 @@ def test_byo_example_config_trains_on_its_files_with_its_rewards(monkeypatch):
     scores = asyncio.run(scorer([right, "#### 3", right], [example] * 3))
     assert scores.rewards == pytest.approx([1.0 + 0.2, 0.2, 1.0 + 0.2 - 0.1])  # the third repeats the first
     assert scores.metrics["reward/examples/my_reward.py:distinct_answers"] == pytest.approx(-1 / 3)
+    held_out_scores = asyncio.run(load_eval_scorer(config.data)([right, "#### 3", right], [example] * 3))
+    assert held_out_scores.rewards == [1.0, 0.0, 1.0]  # held-out accuracy: math alone
