@@ -67,8 +67,8 @@ def resolve_reward(name: str, key: str = "data.reward") -> tuple[Callable[..., A
 
     Args:
         name: A built-in name, ``package.module:function`` (imported; the package must be installed
-            or on PYTHONPATH) or ``path/to/file.py:function`` (run as a module of its own; the path
-            is relative to the current directory).
+            or on PYTHONPATH) or ``path/to/file.py:function`` (run as a module of its own, once,
+            with its directory appended to sys.path; the path is relative to the current directory).
         key: The config key `name` came from, for error messages.
 
     Raises:
@@ -110,6 +110,9 @@ def _load_file(path: Path, key: str) -> ModuleType:
     if not resolved.is_file():
         raise ValueError(f"{key}: reward file {path} does not exist (relative paths start at the current "
                          f"directory, {Path.cwd()})")
+    # As for a script, modules beside the file are importable (appended: installed packages still win).
+    if str(resolved.parent) not in sys.path:
+        sys.path.append(str(resolved.parent))
     module_name = f"graft_reward_file_{len(_FILE_MODULES)}_{resolved.stem}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     module = importlib.util.module_from_spec(spec)

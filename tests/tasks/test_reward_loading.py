@@ -71,6 +71,14 @@ def test_a_file_path_relative_to_the_current_directory(reward_file):
     assert asyncio.run(resolve_reward("rewards/mine.py:remote")[0]("x", Example("q", ""))) == 0.5
 
 
+def test_a_reward_file_imports_modules_beside_it(reward_file):
+    (reward_file.parent / "byot_helper_mod.py").write_text("BONUS = 0.25\n")
+    (reward_file.parent / "uses_helper.py").write_text(
+        "from byot_helper_mod import BONUS\n\ndef score(completion, example):\n    return BONUS\n")
+    fn, _ = resolve_reward("rewards/uses_helper.py:score")
+    assert fn("x", Example("q", "")) == 0.25
+
+
 def test_a_module_path(tmp_path, monkeypatch):
     package = tmp_path / "site" / "byot_rewards_pkg"
     package.mkdir(parents=True)
