@@ -50,6 +50,7 @@ THRESHOLD = 0.5
 @pytest.fixture
 def reward_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # loading a file appends its directory
     (tmp_path / "rewards").mkdir()
     path = tmp_path / "rewards" / "mine.py"
     path.write_text(USER_REWARDS)
@@ -76,7 +77,8 @@ def test_a_reward_file_imports_modules_beside_it(reward_file):
     (reward_file.parent / "uses_helper.py").write_text(
         "from byot_helper_mod import BONUS\n\ndef score(completion, example):\n    return BONUS\n")
     fn, _ = resolve_reward("rewards/uses_helper.py:score")
-    assert fn("x", Example("q", "")) == 0.25
+    sys.modules.pop("byot_helper_mod")
+    assert fn("x", Example("q", "")) == 0.25 and str(reward_file.parent) in sys.path
 
 
 def test_a_module_path(tmp_path, monkeypatch):
