@@ -91,4 +91,5 @@ async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, ver
             scored.append(example)
     scores = await scorer(texts, scored)  # the whole batch at once: batched and async rewards see all of it
     rewards_PG = torch.tensor(scores.rewards, dtype=torch.float32).view(len(examples), params.n)
-    return RolloutBatch(sequences, logprobs, rewards_PG, version, time.perf_counter() - start, scores.metrics)
+    return RolloutBatch(sequences, logprobs, rewards_PG, version, time.perf_counter() - start,
+                        reward_metrics=scores.metrics)
