@@ -39,8 +39,11 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_config(args: argparse.Namespace) -> None:
     from graft.config import config_to_yaml, load_config, save_config
+    from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 
     config = load_config(args.config, args.override)
+    load_scorer(config.data)  # a reward that does not resolve is a config error too
+    load_eval_scorer(config.data)
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")
@@ -192,7 +195,8 @@ def _add_export_command(sub) -> None:
 
 def _add_config_command(sub) -> None:
     p = sub.add_parser("config", help="validate a config and print it resolved",
-                       description="Load a YAML config with -o overrides, validate it, print the resolved config.")
+                       description="Load a YAML config with -o overrides, validate it (rewards resolved: user "
+                                   "reward modules are imported), print the resolved config.")
     _add_config_arguments(p, "lora.rank=16")
     p.add_argument("--save", metavar="FILE", help="also write the resolved config to FILE")
     p.set_defaults(func=cmd_config)
@@ -260,7 +264,8 @@ def _add_train_command(sub) -> None:
 def _add_eval_command(sub) -> None:
     p = sub.add_parser("eval", help="held-out accuracy of the base model or of a LoRA adapter",
                        description="Greedy answers to the config's held-out examples (train.eval_examples of them) "
-                                   "from the config's engine, scored by exact numeric match.")
+                                   "from the config's engine, scored by data.eval_reward (else data.reward, or the "
+                                   "weighted sum of data.rewards); the mean is reported as accuracy.")
     _add_config_arguments(p, "train.eval_examples=100")
     p.add_argument("--adapter", metavar="DIR", help="PEFT LoRA adapter to evaluate (default: the base model)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")

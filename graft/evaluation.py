@@ -1,6 +1,9 @@
-"""Held-out accuracy: greedy answers from an engine, scored by exact numeric match.
+"""Held-out accuracy: greedy answers from an engine, scored by data.eval_reward, else the run's
+reward (data.reward or the weighted sum of data.rewards); exact numeric match when no scorer is given.
 
-Used by the trainer (before, during and after a run) and by `graft eval CONFIG [--adapter DIR]`.
+The mean score is reported as "accuracy": for a 0/1 reward such as exact_numeric or math it is the
+fraction answered right. Used by the trainer (before, during and after a run) and by
+`graft eval CONFIG [--adapter DIR]`.
 """
 
 from __future__ import annotations
@@ -14,19 +17,24 @@ from graft.models.loading import load_tokenizer
 from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.factory import open_engine
 from graft.tasks.examples import Example, load_task_data, render_prompt_ids
+from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
+from graft.tasks.scoring import RewardTerm, Scorer
 
 EVAL_ADAPTER_SUFFIX = "eval"
 
 
 async def evaluate(engine: RolloutEngine, adapter: str | None, examples: list[Example], tokenizer,
-                   max_new_tokens: int) -> float:
-    """Fraction of `examples` whose greedy completion (served as `adapter`) holds the right number."""
+                   max_new_tokens: int, scorer: Scorer | None = None) -> float:
+    """Mean score of the greedy completions (served as `adapter`) of `examples`: with the default
+    scorer (exact_numeric), the fraction that ends with the right number."""
+    scorer = scorer or Scorer([RewardTerm("exact_numeric", exact_numeric)])
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
     requests = [GenerateRequest(tuple(render_prompt_ids(tokenizer, ex)), params) for ex in examples]
     completions_P = await engine.generate(requests, adapter=adapter)
     texts = [tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions_P]
-    return sum(exact_numeric(t, ex) for t, ex in zip(texts, examples)) / len(examples)
+    scores = await scorer(texts, examples)
+    return sum(scores.rewards) / len(examples)
 
 
 async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | Path | None = None) -> dict:
@@ -38,6 +46,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)  # a clear error before any server starts
         read_adapter_tensors(adapter_dir)  # NaN/inf weights never reach a (possibly shared) server
+    scorer = load_eval_scorer(config.data)
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
@@ -48,7 +57,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
             adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"
             await _load_replacing(engine, adapter, str(Path(adapter_dir).resolve()))
         try:
-            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens)
+            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
         finally:
             if adapter is not None:
                 await engine.unload_adapter(adapter)

@@ -39,8 +39,10 @@ def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, e
                  ) -> GraftConfig:
     """The quickstart's settings with the shaped reward, on the bench's server; `extra` overrides last."""
     return load_config(None, [*QUICKSTART_SETTINGS, f"model.path={base}", f"rollout.urls=[{url}]",
-                              f"data.reward={REWARD}", f"train.steps={steps}", f"train.eval_every={eval_every}",
-                              "train.checkpoint_every=0", f"train.seed={seed}", *extra])
+                              # held-out accuracy as TRL's adapters are scored: exact_numeric, not the shaped sum
+                              f"data.reward={REWARD}", "data.eval_reward=exact_numeric", f"train.steps={steps}",
+                              f"train.eval_every={eval_every}", "train.checkpoint_every=0", f"train.seed={seed}",
+                              *extra])
 
 
 def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path) -> dict:

@@ -4,9 +4,9 @@ Import from here: `from graft.config import GraftConfig, load_config`.
 """
 
 from graft.config.base import ALL_LINEAR, LOOPBACK_HOSTS, VLLM_LORA_RANKS, ConfigError, is_loopback_url, module_list
+from graft.config.data import DataConfig, RewardSpec
 from graft.config.loading import config_to_yaml, load_config, save_config
 from graft.config.schema import (
-    DataConfig,
     DistConfig,
     GraftConfig,
     LoraConfig,
@@ -18,6 +18,6 @@ from graft.config.schema import (
 
 __all__ = [
     "ALL_LINEAR", "LOOPBACK_HOSTS", "VLLM_LORA_RANKS", "ConfigError", "DataConfig", "DistConfig", "GraftConfig",
-    "LoraConfig", "ModelConfig", "RolloutConfig", "SyncConfig", "TrainConfig", "config_to_yaml", "is_loopback_url",
-    "load_config", "module_list", "save_config",
+    "LoraConfig", "ModelConfig", "RewardSpec", "RolloutConfig", "SyncConfig", "TrainConfig", "config_to_yaml",
+    "is_loopback_url", "load_config", "module_list", "save_config",
 ]

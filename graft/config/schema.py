@@ -25,6 +25,7 @@ from graft.config.base import (
     is_loopback_url,
     module_list,
 )
+from graft.config.data import DataConfig
 from graft.config.dist import DistConfig
 from graft.config.objective import ObjectiveFields
 
@@ -287,30 +288,6 @@ class TrainConfig(ObjectiveFields):
     eval_examples: int = Field(200, ge=1, description="Held-out examples used by each evaluation.")
 
 
-class DataConfig(Section):
-    task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
-    path: str | None = Field(None, description="JSONL file of training prompts; replaces data.task.")
-    eval_path: str | None = Field(None, description="JSONL file of held-out prompts; null = a deterministic 10% held-out split of data.path (built-in tasks have their own held-out split).")
-    reward: str = Field("exact_numeric", description="Name of the reward function that scores completions.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _path_replaces_default_task(cls, data: Any) -> Any:
-        # Setting only data.path means "train on this file": the default task steps aside.
-        if isinstance(data, dict) and data.get("path") is not None and "task" not in data:
-            return {**data, "task": None}
-        return data
-
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> "DataConfig":
-        if self.task is not None and self.path is not None:
-            raise ConfigError(
-                f"data.task ({self.task!r}) and data.path ({self.path!r}) are both set: "
-                "set data.task to null to train on the file", keys=("data.task", "data.path"),
-            )
-        if self.task is None and self.path is None:
-            raise ConfigError("data.task and data.path are both null: set one of them", keys=("data.task", "data.path"))
-        return self
 
 
 class GraftConfig(Section):

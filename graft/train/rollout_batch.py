@@ -19,7 +19,7 @@ from graft.rl.shaping import soft_overlong_penalty
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.examples import Example, render_prompt_ids
-from graft.tasks.rewards import RewardFn
+from graft.tasks.scoring import Scorer
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class RolloutBatch:
     version: int  # the policy version that generated every sample
     seconds: float
     truncated: tuple[bool, ...] = ()  # per sequence: cut at max_new_tokens (no end of sequence); () = none
-    reward_metrics: dict = field(default_factory=dict)  # metrics of the rollout beyond the rewards themselves
+    # reward/<name> means, reward_errors (graft.tasks.scoring), the sampling filters' and shaping's metrics
+    reward_metrics: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -71,7 +72,7 @@ def step_sampling_params(config: GraftConfig, step: int) -> SamplingParams:
 
 async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
                            examples: list[Example], tokenizer, params: SamplingParams,
-                           reward_fn: RewardFn) -> RolloutBatch:
+                           scorer: Scorer) -> RolloutBatch:
     """Sample `params.n` completions per example with policy `version` and score them.
 
     With a seed, prompt p's samples use seeds `seed + p * n ...`: engines seed sample g of a request
@@ -84,16 +85,18 @@ async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, ver
                 for p, prompt in enumerate(prompts_P)]
     async with inflight.use(version):  # the sync never unloads a version a request still uses
         completions_P = await engine.generate(requests, adapter=adapter)
-    sequences, logprobs, rewards_PG, truncated = [], [], [], []
+    sequences, logprobs, texts, scored, truncated = [], [], [], [], []
     for prompt, example, completions in zip(prompts_P, examples, completions_P):
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        rewards_PG.append([reward_fn(text, example) for text in texts])
         for completion in completions:
             sequences.append((list(prompt), list(completion.token_ids)))
             logprobs.append(list(completion.logprobs))
             truncated.append(completion.finish_reason == "length")
-    return RolloutBatch(sequences, logprobs, torch.tensor(rewards_PG, dtype=torch.float32), version,
-                        time.perf_counter() - start, tuple(truncated))
+            texts.append(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+            scored.append(example)
+    scores = await scorer(texts, scored)  # the whole batch at once: batched and async rewards see all of it
+    rewards_PG = torch.tensor(scores.rewards, dtype=torch.float32).view(len(examples), params.n)
+    return RolloutBatch(sequences, logprobs, rewards_PG, version, time.perf_counter() - start, tuple(truncated),
+                        reward_metrics=scores.metrics)
 
 
 def with_overlong_penalty(batch: RolloutBatch, max_tokens: int, buffer_tokens: int | None,

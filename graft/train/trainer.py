@@ -35,7 +35,8 @@ from graft.rollout.engine import RolloutEngine
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.examples import Example, load_task_data
-from graft.tasks.rewards import RewardFn, get_reward
+from graft.tasks.reward_loading import load_eval_scorer, load_scorer
+from graft.tasks.scoring import Scorer
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.dynamic_sampling import round_inputs, sample_informative_groups
@@ -55,12 +56,13 @@ __all__ = ["ResumeError", "RunDirError", "train"]
 
 @dataclass(frozen=True)
 class _Task:
-    """What the run trains on: prompts, held-out prompts, tokenizer, reward."""
+    """What the run trains on: prompts, held-out prompts, tokenizer, rewards."""
 
     train_set: list[Example]
     eval_set: list[Example]
     tokenizer: object
-    reward_fn: RewardFn
+    scorer: Scorer
+    eval_scorer: Scorer
 
 
 class _Leader:
@@ -132,7 +134,7 @@ class _Leader:
             return await build_rollout_batch(
                 self.engine, adapter=self.sync.request_adapter(version), version=version,
                 inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
-                reward_fn=self.task.reward_fn)
+                scorer=self.task.scorer)
 
         batch = (await sample_informative_groups(sample_round, train.batch_prompts, train.max_sampling_rounds)
                  if train.filter_groups else await sample_round(0))
@@ -141,7 +143,7 @@ class _Leader:
 
     async def _evaluate(self) -> float:
         return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
-                              self.config.rollout.max_new_tokens)
+                              self.config.rollout.max_new_tokens, self.task.eval_scorer)
 
 
 def _progress() -> Progress:
@@ -177,9 +179,11 @@ def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
 
 
 def _load_task(config: GraftConfig) -> _Task:
+    # User reward code imports (or fails) before the data is read.
+    scorer, eval_scorer = load_scorer(config.data), load_eval_scorer(config.data)
     train_set, eval_set = load_task_data(config.data)
-    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path),
-                 get_reward(config.data.reward))
+    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer,
+                 eval_scorer)
 
 
 async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = False) -> dict:

@@ -64,13 +64,13 @@ def test_shapes_state_their_batch():
 def test_command_writes_graft_and_both_trl_configurations_per_shape(monkeypatch, tmp_path, capsys):
     def fake_trl(python, spec, config, work_dir):
         return {"config": config, "model_bytes": 10, "peak_bytes": 40 if config == "trl-defaults" else 30,
-                "seconds": 3.0, "cpu_seconds": 5.0, "gradient_checkpointing": config == "trl-defaults", "per_device_train_batch_size": 8,
-                "gradient_accumulation_steps": 4, "trl_version": "1.16.0"}
+                "seconds": 3.0, "cpu_seconds": 5.0, "gradient_checkpointing": config == "trl-defaults",
+                "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "trl_version": "1.16.0"}
 
     monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
     monkeypatch.setattr(memory, "measure_graft",
-                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "cpu_seconds": 4.0,
-                                                          "tokens": 4096})
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0,
+                                                 "cpu_seconds": 4.0, "tokens": 4096})
     monkeypatch.setattr(memory, "measure_trl", fake_trl)
     out = tmp_path / "memory.json"
     assert main(["bench", "memory", "--layers", "24", "--json", str(out)]) == 0
@@ -124,8 +124,8 @@ def test_a_killed_measurement_is_reported_and_the_others_still_run(monkeypatch, 
 
     monkeypatch.setattr(memory, "trl_python", lambda cache_dir, console: tmp_path / "python")
     monkeypatch.setattr(memory, "measure_graft",
-                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0, "cpu_seconds": 4.0,
-                                                          "tokens": 16_384})
+                        lambda spec, overrides: {"model_bytes": 10, "peak_bytes": 20, "seconds": 2.0,
+                                                 "cpu_seconds": 4.0, "tokens": 16_384})
     monkeypatch.setattr(memory, "measure_trl", trl_killed_for_graft_settings)
     result = run_memory_bench(layers=(2,))
     (row,) = result["shapes"]

@@ -1,4 +1,5 @@
-"""graft.tasks.examples: examples, JSONL loading, chat rendering and load_task_data (CPU, seconds)."""
+"""graft.tasks.examples: examples from records (field mapping, chat prompts, metadata), chat rendering and
+load_task_data (CPU, seconds)."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 
 from graft.config import DataConfig
 from graft.models.tokenizer import train_tokenizer
-from graft.tasks import Example, load_jsonl, load_task_data, render_prompt_ids
+from graft.tasks import Example, load_examples, load_task_data, render_prompt_ids
 from graft.tasks.arithmetic import arithmetic_task
 
 
@@ -15,10 +16,10 @@ def _write(path, lines: list[str]):
     return path
 
 
-# --- load_jsonl -----------------------------------------------------------------------------------
+# --- load_examples --------------------------------------------------------------------------------
 
 
-def test_load_jsonl_reads_examples(tmp_path):
+def test_load_examples_reads_jsonl(tmp_path):
     path = _write(
         tmp_path / "d.jsonl",
         [
@@ -29,7 +30,7 @@ def test_load_jsonl_reads_examples(tmp_path):
             json.dumps({"prompt": "p3", "answer": -1.5}),
         ],
     )
-    assert load_jsonl(path) == [
+    assert load_examples(path) == [
         Example("p1", "7", {}),
         Example("p2", "42", {"id": 2}),
         Example("p3", "-1.5", {}),
@@ -40,28 +41,51 @@ def test_load_jsonl_reads_examples(tmp_path):
     "bad_line, problem",
     [
         ('{"prompt": "p", "answer": ', "invalid JSON"),
-        ('["p", "1"]', "expected a JSON object"),
-        ('{"answer": "1"}', r"missing key\(s\) \['prompt'\]"),
-        ('{"prompt": "p"}', r"missing key\(s\) \['answer'\]"),
-        ('{"prompt": "p", "answer": "1", "extra": 1}', r"unknown key\(s\) \['extra'\]"),
-        ('{"prompt": 3, "answer": "1"}', "'prompt' must be a string"),
+        ('["p", "1"]', "expected an object"),
+        ('{"answer": "1"}', r"no field 'prompt' \(data.prompt_key\); its fields: \['answer'\]"),
+        ('{"prompt": "p"}', r"no field 'answer' \(data.answer_key\)"),
+        ('{"prompt": 3, "answer": "1"}', "'prompt' must be a string or a non-empty list of chat messages"),
+        ('{"prompt": [], "answer": "1"}', "'prompt' must be a string or a non-empty list of chat messages"),
+        ('{"prompt": [{"role": "user"}], "answer": "1"}', "'prompt' must be a string or a non-empty list"),
+        ('{"prompt": "p", "answer": "1", "id": 1, "metadata": {"id": 2}}', r"\['id'\] appear both"),
         ('{"prompt": "p", "answer": [1]}', "'answer' must be a string or a number"),
         ('{"prompt": "p", "answer": true}', "'answer' must be a string or a number"),
         ('{"prompt": "p", "answer": "1", "metadata": 5}', "'metadata' must be an object"),
     ],
 )
-def test_load_jsonl_errors_name_file_and_line(tmp_path, bad_line, problem):
+def test_load_examples_errors_name_file_and_line(tmp_path, bad_line, problem):
     good = json.dumps({"prompt": "p", "answer": "1"})
     path = _write(tmp_path / "bad.jsonl", [good, "", bad_line, good])  # the bad line is line 3
     with pytest.raises(ValueError, match=problem) as info:
-        load_jsonl(path)
+        load_examples(path)
     assert f"{path}:3:" in str(info.value)
 
 
-def test_load_jsonl_empty_file(tmp_path):
+def test_load_examples_empty_file(tmp_path):
     path = _write(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(ValueError, match="no examples"):
-        load_jsonl(path)
+        load_examples(path)
+
+
+def test_field_mapping_chat_prompts_and_the_rest_in_metadata(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    path = _write(tmp_path / "chat.jsonl", [
+        json.dumps({"messages": messages, "solution": "2 + 2 = 4\n#### 4", "level": 1, "metadata": {"id": 7}}),
+        json.dumps({"messages": "3 + 3?", "solution": 6, "level": 2}),
+    ])
+    assert load_examples(path, prompt_key="messages", answer_key="solution") == [
+        Example(messages, "2 + 2 = 4\n#### 4", {"id": 7, "level": 1}),
+        Example("3 + 3?", "6", {"level": 2}),
+    ]
+    # The default keys now name fields these records lack: the error says which setting to change.
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: no field 'prompt' \(data.prompt_key\); its fields: "
+                                         r"\['level', 'messages', 'metadata', 'solution'\]"):
+        load_examples(path)
+
+
+def test_no_answer_key_gives_empty_answers_and_keeps_every_other_field(tmp_path):
+    path = _write(tmp_path / "open.jsonl", [json.dumps({"prompt": "Write a haiku.", "answer": "kept", "topic": "sea"})])
+    assert load_examples(path, answer_key=None) == [Example("Write a haiku.", "", {"answer": "kept", "topic": "sea"})]
 
 
 # --- render_prompt_ids ----------------------------------------------------------------------------
@@ -88,6 +112,13 @@ def test_render_prompt_ids_uses_chat_template(tokenizer):
     # The prompt text round-trips, digit by digit.
     digits = [tokenizer.convert_tokens_to_ids(d) for d in "2358"]
     assert all(d in ids for d in digits)
+
+
+def test_render_prompt_ids_of_chat_messages(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    text = tokenizer.decode(render_prompt_ids(tokenizer, Example(messages, "4")))
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 + 2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
 
 
 # --- load_task_data -------------------------------------------------------------------------------
@@ -124,3 +155,17 @@ def test_load_task_data_held_out_split(tmp_path, n, n_eval):
     assert load_task_data(config) == (train, held_out)  # deterministic
     if n_eval:
         assert [ex.answer for ex in held_out] != [str(i) for i in range(n - n_eval, n)]  # mixed, not the tail
+
+
+def test_system_prompt_goes_in_front_of_prompts_without_one(tmp_path):
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "q2"}]
+    train = _write(tmp_path / "t.jsonl", [json.dumps({"prompt": "q1", "answer": 1}),
+                                          json.dumps({"prompt": own, "answer": 2})])
+    held = _write(tmp_path / "e.jsonl", [json.dumps({"prompt": [{"role": "user", "content": "q3"}], "answer": 3})])
+    config = DataConfig(path=str(train), eval_path=str(held), system_prompt="Think.")
+    train_set, held_out = load_task_data(config)
+    system = {"role": "system", "content": "Think."}
+    assert [ex.prompt for ex in train_set] == [[system, {"role": "user", "content": "q1"}], own]
+    assert [ex.prompt for ex in held_out] == [[system, {"role": "user", "content": "q3"}]]
+    builtin_train, _ = load_task_data(DataConfig(system_prompt="Think."))
+    assert builtin_train[0].prompt[0] == system and builtin_train[0].answer == arithmetic_task()[0][0].answer

@@ -3,7 +3,7 @@
 import pytest
 
 from graft.tasks import REWARDS, Example, get_reward
-from graft.tasks.rewards import exact_numeric, exact_numeric_and_format, format_reward
+from graft.tasks.rewards import exact_numeric, exact_numeric_and_format, final_answer, format_reward, math_answer
 
 EX_81 = Example("What is 23 + 58? Answer with the number only.", "81")
 
@@ -65,7 +65,8 @@ def test_answer_must_be_numeric():
 
 
 def test_registry_and_get_reward():
-    assert set(REWARDS) == {"exact_numeric", "format", "exact_numeric+format"}
+    assert set(REWARDS) == {"exact_numeric", "format", "exact_numeric+format", "math"}
+    assert get_reward("math") is math_answer
     assert get_reward("exact_numeric") is exact_numeric
     assert get_reward("format") is format_reward
     assert get_reward("exact_numeric+format") is exact_numeric_and_format
@@ -81,3 +82,50 @@ def test_score():
     assert [shaped(c, ex) for c, ex in zip(["The answer is 81.", "-5", "no"], examples)] == pytest.approx(
         [0.9, 1.0, 0.0]
     )
+
+
+# --- math: GSM8K- and MATH-style final answers ---------------------------------------------------
+
+GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "Altogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72")
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("She sold 48 in April and 24 in May, 72 in all.\n#### 72", 1.0),
+    ("48 + 24 = 72, so the answer is \\boxed{72}.", 1.0),
+    ("\\boxed{72} clips (not 70)", 1.0),  # the boxed answer wins over a later number
+    ("#### 72 clips", 1.0),  # the first number after ####
+    ("#### 72.00", 1.0),
+    ("#### $72", 1.0),
+    ("She sold 24 in May, so 72 in all.", 1.0),  # no boxed or ####: the last number
+    ("#### 70", 0.0),
+    ("\\boxed{70}. Wait, 72.", 0.0),
+    ("#### seventy-two", 0.0),
+    ("", 0.0),
+])
+def test_math_reads_the_final_answer_of_the_completion(completion, expected):
+    assert math_answer(completion, Example("How many clips?", GSM8K_ANSWER)) == expected
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("\\boxed{\\frac{1}{2}}", "0.5"),
+    ("\\boxed{1/2}", "\\frac{1}{2}"),
+    ("\\boxed{\\dfrac{3}{4}}", "The answer is \\boxed{0.75}."),
+    ("\\boxed{\\$1{,}000}", "1,000"),
+    ("\\boxed{50\\%}", "#### 50"),
+    ("#### \u22125", "-5"),  # a typeset minus sign
+    ("\\boxed{\\boxed{7}}", "7"),  # nested braces are matched
+])
+def test_math_compares_values_however_they_are_written(completion, answer):
+    assert math_answer(completion, Example("q", answer)) == 1.0
+
+
+def test_math_answer_without_a_number_is_an_error():
+    with pytest.raises(ValueError, match="holds no number"):
+        math_answer("#### 4", Example("q", "four"))
+
+
+def test_final_answer_of_an_unclosed_box_falls_back():
+    assert final_answer("#### 12 then \\boxed{3") == 12  # a completion cut off inside the box
+    assert final_answer("x \\boxed{") is None
+    assert final_answer("3 and 1/0") == 3  # a fraction over zero is no value

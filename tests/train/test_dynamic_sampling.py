@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from graft.tasks.examples import Example
 from graft.rollout.engine import SamplingParams
+from graft.tasks.examples import Example
 from graft.train.dynamic_sampling import (
     REFILL_SEED_STRIDE,
     refill_examples,

@@ -69,6 +69,20 @@ def parity_reward(monkeypatch):
     return "data.reward=parity"
 
 
+def test_each_reward_is_logged_and_their_weighted_sum_trains(base_dir, tmp_path, monkeypatch, parity_reward):
+    from graft.tasks.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "length", lambda text, example: float(len(text)))
+    overrides = [f"model.path={base_dir}", "rollout.engine=reference", "train.steps=2", "train.batch_prompts=2",
+                 "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.eval_examples=2", "lora.rank=4",
+                 "data.rewards=[{name: parity, weight: 2.0}, {name: length, weight: -0.1}]"]
+    asyncio.run(train(load_config(None, overrides), tmp_path))
+    for row in _rows(tmp_path):
+        assert row["reward_errors"] == 0 and row["reward/length"] > 0
+        weighted = 2.0 * row["reward/parity"] - 0.1 * row["reward/length"]
+        assert row["reward_mean"] == pytest.approx(weighted, rel=1e-5)
+
+
 # DAPO's dynamic sampling and shaping: refill rounds are a pure function of (seed, step, round). (The
 # tiny random model seldom ends a completion before max_new_tokens, so the overlong filter, tested on
 # the update, would leave most steps without rows here.)

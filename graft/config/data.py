@@ -1,0 +1,141 @@
+"""The `data` section: where prompts come from, how records map to prompts and answers, and the
+rewards that score completions.
+
+Only the form of a reward is checked here (a built-in name, or `module:function`); whether it
+resolves to a function with the right signature is checked by `graft.tasks.reward_loading` when a
+run loads its task, before any engine starts (config sits below tasks in the layer order).
+"""
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from graft.config.base import ConfigError, Section
+
+# A built-in name ("exact_numeric+format"), or "target:function" where target is a dotted module
+# path or a path to a .py file.
+_BUILT_IN_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_reward_name(name: str) -> str:
+    """A built-in reward name, or `package.module:function` / `path/to/file.py:function`.
+
+    Raises:
+        ValueError: For anything else (e.g. a missing function after the colon).
+    """
+    if ":" in name:
+        target, _, function = name.rpartition(":")
+        if target and _FUNCTION_NAME.match(function):
+            return name
+    elif _BUILT_IN_NAME.match(name):
+        return name
+    raise ValueError(f"{name!r} is neither a built-in reward name nor 'package.module:function' or "
+                     "'path/to/file.py:function'")
+
+
+class RewardSpec(Section):
+    """One term of the reward: `weight` x the reward named `name`."""
+
+    name: str = Field(description="A built-in reward (exact_numeric, format, exact_numeric+format, math), "
+                      "'package.module:function' (imported) or 'path/to/file.py:function' (path relative to the "
+                      "current directory). Its mean per step is logged as reward/<name>.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum used for advantages; 0 = logged only.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        return check_reward_name(v)
+
+    @field_validator("weight")
+    @classmethod
+    def _check_weight(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"must be a finite number, got {v}")
+        return v
+
+
+class DataConfig(Section):
+    task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
+    path: str | None = Field(
+        None, description="Training records: a JSONL file, a Parquet file (.parquet) or a directory written by "
+        "Hugging Face datasets' save_to_disk (one split; a DatasetDict's splits are its subdirectories); "
+        "replaces data.task.")
+    eval_path: str | None = Field(
+        None, description="Held-out records, in any format data.path takes; null = a deterministic 10% held-out "
+        "split of data.path (built-in tasks have their own held-out split).")
+    prompt_key: str = Field(
+        "prompt", description="Field of each record holding the prompt: a string (one user message) or chat "
+        "messages, a list of {role, content}.")
+    answer_key: str | None = Field(
+        "answer", description="Field holding the reference answer (a string or a number) that rewards compare "
+        "with; null = records have none (Example.answer is ''; for rewards that judge without one). Every other "
+        "field goes into Example.metadata.")
+    system_prompt: str | None = Field(
+        None, description="System message put in front of every prompt (train and held-out) that does not start "
+        "with a system message of its own; null = none.")
+    reward: str | None = Field(
+        "exact_numeric", description="The reward that scores completions: a built-in name (exact_numeric, format, "
+        "exact_numeric+format, math), 'package.module:function' or 'path/to/file.py:function' (relative to the "
+        "current directory). A function is fn(completion, example) -> float, or batched fn(completions, examples) "
+        "-> list[float] when its first parameter is named 'completions'; async def is awaited. Null when "
+        "data.rewards is set.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=list, description="Several rewards, [{name, weight}]: their weighted sum drives the "
+        "advantages and each is logged as reward/<name>. Replaces data.reward.")
+    eval_reward: str | None = Field(
+        None, description="The reward that scores held-out greedy answers (its mean is reported as accuracy), in "
+        "any form data.reward takes, e.g. exact_numeric or math when training on a shaped sum; null = the "
+        "training reward (data.reward, or the weighted sum of data.rewards).")
+    reward_errors: Literal["raise", "zero"] = Field(
+        "raise", description="A reward that raises (or returns a non-number): 'raise' stops the run with one error "
+        "naming the reward and the example, with the end of its traceback; 'zero' scores that completion 0 for "
+        "that reward and counts it in the metrics (reward_errors).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implicit_defaults_step_aside(cls, data: Any) -> Any:
+        # Setting only data.path means "train on this file": the default task steps aside; setting
+        # only data.rewards means "score with these": the default data.reward steps aside.
+        if isinstance(data, dict) and data.get("path") is not None and "task" not in data:
+            data = {**data, "task": None}
+        if isinstance(data, dict) and data.get("rewards") and "reward" not in data:
+            data = {**data, "reward": None}
+        return data
+
+    @field_validator("reward", "eval_reward")
+    @classmethod
+    def _check_reward(cls, v: str | None) -> str | None:
+        return v if v is None else check_reward_name(v)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "DataConfig":
+        if self.task is not None and self.path is not None:
+            raise ConfigError(
+                f"data.task ({self.task!r}) and data.path ({self.path!r}) are both set: "
+                "set data.task to null to train on the file", keys=("data.task", "data.path"),
+            )
+        if self.task is None and self.path is None:
+            raise ConfigError("data.task and data.path are both null: set one of them", keys=("data.task", "data.path"))
+        return self
+
+    @model_validator(mode="after")
+    def _exactly_one_reward_form(self) -> "DataConfig":
+        if self.reward is not None and self.rewards:
+            raise ConfigError(f"data.reward ({self.reward!r}) and data.rewards are both set: keep one (data.rewards "
+                              "can hold it as {name: ..., weight: 1.0})", keys=("data.reward", "data.rewards"))
+        if self.reward is None and not self.rewards:
+            raise ConfigError("data.reward is null and data.rewards is empty: set one of them",
+                              keys=("data.reward", "data.rewards"))
+        names = [spec.name for spec in self.rewards]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"data.rewards names {repeated} more than once: each reward is logged as "
+                              "reward/<name>, so names must differ", keys=("data.rewards",))
+        return self
+
+    def reward_specs(self) -> list[RewardSpec]:
+        """The reward terms of the run: data.rewards, or data.reward with weight 1."""
+        return list(self.rewards) if self.rewards else [RewardSpec(name=self.reward)]
