@@ -35,15 +35,17 @@ def resolve_api_key(rollout: RolloutConfig) -> str | None:
     names (unset or empty: no key).
 
     Raises:
-        ConfigError: `rollout.api_key_env` was set explicitly to a variable that is not set, which
-            would otherwise surface later as the server's "Unauthorized".
+        ConfigError: `rollout.api_key_env` was set explicitly to a variable other than the default
+            that is not set, which would otherwise surface later as the server's "Unauthorized". (A
+            saved config, RUN_DIR/config.yaml, spells out the default: reloaded, it means no key.)
     """
     if rollout.api_key is not None:
         return rollout.api_key.get_secret_value() or None
     if rollout.api_key_env is None:
         return None
     key = os.environ.get(rollout.api_key_env)
-    if key is None and "api_key_env" in rollout.model_fields_set:
+    default = type(rollout).model_fields["api_key_env"].default
+    if key is None and "api_key_env" in rollout.model_fields_set and rollout.api_key_env != default:
         raise ConfigError(f"rollout.api_key_env names the environment variable {rollout.api_key_env}, which is "
                           "not set", keys=("rollout.api_key_env",))
     return key or None

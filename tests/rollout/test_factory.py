@@ -211,4 +211,7 @@ def test_the_api_key_comes_from_the_config_or_the_environment_variable_it_names(
     with pytest.raises(ConfigError, match="rollout.api_key_env names the environment variable NOT_SET_KEY, which "
                                           "is not set"):
         resolve_api_key(load_config(None, ["rollout.api_key_env=NOT_SET_KEY"]).rollout)
+    monkeypatch.delenv("VLLM_API_KEY")
+    # graft saves every default into RUN_DIR/config.yaml: the reloaded run means no key, as the original did.
+    assert resolve_api_key(load_config(None, ["rollout.api_key_env=VLLM_API_KEY"]).rollout) is None
 
