@@ -2,7 +2,8 @@
 tp=2 on 2 ranks and dp=2 x tp=2 on 4 ranks, 3 updates with mini-batches, micro-batches, KL (in the
 loss or the reward), entropy and TIS: the same losses, grad norms, stats and LoRA weights (<= 1e-5),
 also when a data-parallel rank has no rows. Checkpoints resume across meshes, published adapters
-load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one process. Every collective
+load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one process (reference engine
+and real vLLM). Every collective
 runs under a short process-group timeout, so a hang (the seed's deadlocks) fails the test instead of
 stalling it."""
 
@@ -298,3 +299,27 @@ def test_graft_train_with_tp2_under_torchrun_matches_one_rank(tp_model_dirs, tmp
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert b["sync_logprob_abs_diff_max"] < 1e-4  # the engine serves what the TP shards trained
         assert b["sync_bytes"] == a["sync_bytes"] and b["sync_mode"] == mode
+
+
+@pytest.mark.vllm
+def test_graft_train_with_tp2_under_torchrun_matches_one_rank_on_vllm(tp_model_dirs, tmp_path):
+    """The same against a real vLLM server (one, serving the TP-splittable model, for both runs):
+    seeded samples alike, losses equal to one process (<= 1e-5), and the engine's log-probs of the
+    adapter rank 0 gathers over tp match the trainer's."""
+    from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+
+    model_dir = tp_model_dirs["qwen2"]
+    config = VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=8, log_dir=tmp_path)
+    with VllmServer(config) as server:
+        overrides = [f"model.path={model_dir}", "model.dtype=float32", f"rollout.urls=[{server.url}]",
+                     "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4",
+                     "train.kl_coef=0.05", "train.lr=5e-3", "lora.rank=4", "rollout.max_lora_rank=8",
+                     "train.eval_examples=2", "data.reward=format"]
+        one = _graft_train(tmp_path / "one", overrides, nproc=1)
+        two = _graft_train(tmp_path / "two", [*overrides, "dist.tp=2"], nproc=2)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
+        for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert b["sync_logprob_abs_diff_max"] < 1e-3  # fp32 vLLM serves what the TP shards trained
