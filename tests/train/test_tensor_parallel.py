@@ -3,9 +3,8 @@ tp=2 on 2 ranks and dp=2 x tp=2 on 4 ranks, 3 updates with mini-batches, micro-b
 loss or the reward), entropy and TIS: the same losses, grad norms, stats and LoRA weights (<= 1e-5),
 also when a data-parallel rank has no rows. Checkpoints resume across meshes, published adapters
 load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one process (reference engine
-and real vLLM). Every collective
-runs under a short process-group timeout, so a hang (the seed's deadlocks) fails the test instead of
-stalling it."""
+and real vLLM). Every collective runs under a short process-group timeout, so a hang (the seed's
+deadlocks) fails the test instead of stalling it."""
 
 import datetime
 import json
