@@ -280,45 +280,41 @@ def test_tp_is_checked_before_any_process_group(tiny_model_dirs, tp_model_dirs, 
 
 # --- graft train under torchrun --------------------------------------------------------------------------
 
+_RUN = ["model.dtype=float32", "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3",
+        "rollout.max_new_tokens=4", "train.kl_coef=0.05", "train.lr=5e-3", "lora.rank=4", "train.eval_examples=2",
+        "data.reward=format"]
+
+
+def _assert_tp2_run_like_one(run_dir, overrides: list[str], gap: float) -> None:
+    """`graft train` alone and under torchrun with dist.tp=2: the same samples and losses (<= 1e-5), the
+    engine serving what the TP shards trained (log-prob gap below `gap`)."""
+    one = _graft_train(run_dir / "one", overrides, nproc=1)
+    two = _graft_train(run_dir / "two", [*overrides, "dist.tp=2"], nproc=2)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
+        for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert b["sync_logprob_abs_diff_max"] < gap
+        assert b["sync_bytes"] == a["sync_bytes"] and b["sync_mode"] == a["sync_mode"]
+
+
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_graft_train_with_tp2_under_torchrun_matches_one_rank(tp_model_dirs, tmp_path, mode):
     """`torchrun --nproc-per-node 2 graft train ... -o dist.tp=2`: the same losses as one process
     (<= 1e-5) on the reference engine; rank 0 publishes (the adapter it gathers over tp, or the merged
     stream every rank joins) and verifies on the tensor-parallel model (the others joining)."""
-    overrides = [f"model.path={tp_model_dirs['qwen2']}", "model.dtype=float32", "rollout.engine=reference",
-                 f"sync.mode={mode}", "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3",
-                 "rollout.max_new_tokens=4", "train.kl_coef=0.05", "train.lr=5e-3", "lora.rank=4",
-                 "train.eval_examples=2", "data.reward=format"]
-    one = _graft_train(tmp_path / "one", overrides, nproc=1)
-    two = _graft_train(tmp_path / "two", [*overrides, "dist.tp=2"], nproc=2)
-    assert [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
-        for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
-        assert b["sync_logprob_abs_diff_max"] < 1e-4  # the engine serves what the TP shards trained
-        assert b["sync_bytes"] == a["sync_bytes"] and b["sync_mode"] == mode
+    _assert_tp2_run_like_one(tmp_path, [f"model.path={tp_model_dirs['qwen2']}", "rollout.engine=reference",
+                                        f"sync.mode={mode}", *_RUN], gap=1e-4)
 
 
 @pytest.mark.vllm
 def test_graft_train_with_tp2_under_torchrun_matches_one_rank_on_vllm(tp_model_dirs, tmp_path):
-    """The same against a real vLLM server (one, serving the TP-splittable model, for both runs):
-    seeded samples alike, losses equal to one process (<= 1e-5), and the engine's log-probs of the
-    adapter rank 0 gathers over tp match the trainer's."""
+    """The same against a real vLLM server (one, serving the TP-splittable model, for both runs)."""
     from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 
     model_dir = tp_model_dirs["qwen2"]
-    config = VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=8, log_dir=tmp_path)
-    with VllmServer(config) as server:
-        overrides = [f"model.path={model_dir}", "model.dtype=float32", f"rollout.urls=[{server.url}]",
-                     "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=3", "rollout.max_new_tokens=4",
-                     "train.kl_coef=0.05", "train.lr=5e-3", "lora.rank=4", "rollout.max_lora_rank=8",
-                     "train.eval_examples=2", "data.reward=format"]
-        one = _graft_train(tmp_path / "one", overrides, nproc=1)
-        two = _graft_train(tmp_path / "two", [*overrides, "dist.tp=2"], nproc=2)
-    assert [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        assert b["rollout_tokens"] == a["rollout_tokens"]  # the same samples
-        for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
-        assert b["sync_logprob_abs_diff_max"] < 1e-3  # fp32 vLLM serves what the TP shards trained
+    with VllmServer(VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=8,
+                                     log_dir=tmp_path)) as server:
+        _assert_tp2_run_like_one(tmp_path, [f"model.path={model_dir}", f"rollout.urls=[{server.url}]",
+                                            "rollout.max_lora_rank=8", *_RUN], gap=1e-3)  # fp32 vLLM
