@@ -217,7 +217,7 @@ def _add_bench_command(sub) -> None:
                                    "base for the same wall-clock budget; learning.png. "
                                    "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
                                    "failed requests, adapters loaded at most, server RSS growth. "
-                                   "memory: peak RSS and seconds of one GRPO update at the Qwen2.5-0.5B shape "
+                                   "memory: peak RSS, seconds and CPU seconds of one GRPO update at the Qwen2.5-0.5B shape "
                                    "with the real vocabulary (--layers 2: 32 sequences, the default; --layers 24: "
                                    "8 sequences), graft vs TRL GRPOTrainer + PEFT on the same weights and token "
                                    "ids (TRL's defaults, and TRL with graft's settings), each in a fresh process. "
