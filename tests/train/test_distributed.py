@@ -95,22 +95,30 @@ def test_two_ranks_packed_update_like_one_padded(tiny_model_dirs, tmp_path, n_pr
 def _assert_two_ranks_like_one(model_dir, tmp_path, n_prompts, group, sharded_overrides, single_overrides):
     mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, sharded_overrides),
              nprocs=WORLD, join=True)
+    assert_like_one_process(model_dir, tmp_path, n_prompts, group, single_overrides)
+
+
+def assert_like_one_process(model_dir, out_dir, n_prompts, group, overrides) -> None:
+    """The metrics and LoRA weights a sharded run's rank 0 wrote to `out_dir` equal one process's
+    updates of the same batches (<= 1e-5)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: same kernels, same rounding
     try:
-        single_metrics, single_weights = _updates(model_dir, Dist(), n_prompts, group, single_overrides)
+        single_metrics, single_weights = _updates(model_dir, Dist(), n_prompts, group, overrides)
     finally:
         torch.set_num_threads(threads)
-    sharded_metrics = json.loads((tmp_path / "metrics.json").read_text())
+    sharded_metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert len(sharded_metrics) == len(single_metrics)
     for single, sharded in zip(single_metrics, sharded_metrics):
         for key in _COMPARED:
             assert sharded[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     assert all(m["grad_norm"] > 0 for m in single_metrics)
-    sharded_weights = safetensors.torch.load_file(tmp_path / "lora.safetensors")
+    sharded_weights = safetensors.torch.load_file(out_dir / "lora.safetensors")
+    assert sharded_weights.keys() == single_weights.keys()
     # 12 AdamW steps of lr 1e-2: an all-reduce sums in another order, and Adam divides by sqrt(v), so an
     # element whose gradient is near zero may move ~1e-6 apart; a real sharding bug moves it by ~lr.
     for name, weight in single_weights.items():
-        torch.testing.assert_close(sharded_weights[name], weight, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sharded_weights[name], weight, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def _graft_train(run_dir, overrides, nproc: int) -> list[dict]:

@@ -26,7 +26,7 @@ from graft.models.tiny import build_tiny_model
 from graft.train.distributed import Dist, clip_grad_norm, mesh_dist
 from graft.train.policy import PolicyState
 from graft.train.tensor_parallel import check_tensor_parallel
-from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates
+from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates, assert_like_one_process
 from tests.train.test_mixed_precision import _update_recording_dtypes
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
@@ -59,22 +59,7 @@ def _rank_main(rank: int, world: int, tp: int, model_dir, out_dir, n_prompts, gr
 
 def _assert_mesh_like_one(model_dir, tmp_path, world, tp, n_prompts, group, overrides) -> None:
     mp.spawn(_rank_main, args=(world, tp, model_dir, tmp_path, n_prompts, group, overrides), nprocs=world, join=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: same kernels, same rounding
-    try:
-        single_metrics, single_weights = _updates(model_dir, Dist(), n_prompts, group, overrides)
-    finally:
-        torch.set_num_threads(threads)
-    sharded_metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len(sharded_metrics) == len(single_metrics)
-    for single, sharded in zip(single_metrics, sharded_metrics):
-        for key in _COMPARED:
-            assert sharded[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
-    assert all(m["grad_norm"] > 0 for m in single_metrics)
-    sharded_weights = safetensors.torch.load_file(tmp_path / "lora.safetensors")
-    assert sharded_weights.keys() == single_weights.keys()
-    for name, weight in single_weights.items():
-        torch.testing.assert_close(sharded_weights[name], weight, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_like_one_process(model_dir, tmp_path, n_prompts, group, overrides)
 
 
 # Adam lr 1e-4: TP sums each row-wise layer's partial products in another order, so gradients agree
