@@ -1,7 +1,10 @@
 """`VllmClient`: the `RolloutEngine` protocol over a vLLM OpenAI-compatible server's HTTP API.
 
-One `/v1/completions` call per request (prompt as token ids, `n` samples), run concurrently under
-one semaphore per client; adapters are chosen by the `model` field; base weights are swapped with
+A `generate` of several requests is one call to graft's batch route (`/v1/graft/completions`,
+added to the servers graft launches: graft.rollout.vllm_batch_route) so the engine sees the whole
+batch at once and each prompt keeps its own seed; on a server without that route, one
+`/v1/completions` call per request (prompt as token ids, `n` samples), run concurrently under one
+semaphore per client. Adapters are chosen by the `model` field; base weights are swapped with
 `/collective_rpc reload_weights` inside a pause (see shared/notes/vllm-cpu.md for the endpoints'
 observed answers). The server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and
 `VLLM_SERVER_DEV_MODE=1`, as `VllmServer` starts it.
@@ -41,6 +44,7 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
+from graft.rollout.vllm_batch_route import ROUTE as BATCH_ROUTE
 from graft.rollout.http_util import (
     answer_while_alive,
     auth_headers,
@@ -145,6 +149,7 @@ class VllmClient:
         self._control_timeout_s = control_timeout_s
         self._sends_key = bool(api_key)
         self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._batch_route: bool | None = None  # whether the server has graft's batch route; None: not asked yet
         # Headroom over the semaphore for adapter/health calls made while generating.
         limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
         # trust_env=False: loopback requests must not go through an http_proxy from the environment.
@@ -191,6 +196,10 @@ class VllmClient:
             EngineUnavailableError: Unreachable server, timeout or 5xx.
         """
         model = adapter if adapter is not None else await self.base_model()
+        if len(requests) > 1 and self._batch_route is not False:
+            answers = await self._generate_batch([completion_payload(r, model) for r in requests])
+            if answers is not None:
+                return [parse_completions(body, r.params.n, self.address) for body, r in zip(answers, requests)]
 
         async def one(request: GenerateRequest) -> list[Completion]:
             async with self._semaphore:
@@ -200,6 +209,23 @@ class VllmClient:
             return parse_completions(response.json(), request.params.n, self.address)
 
         return await gather_cancel_on_error(one(r) for r in requests)
+
+    async def _generate_batch(self, payloads: list[dict]) -> list[dict] | None:
+        """Every payload in one call to graft's batch route (graft.rollout.vllm_batch_route), so the
+        engine schedules the whole batch at once with each prompt's own seed; None when the server
+        has no such route (a vLLM not started by graft), remembered for later calls."""
+        async with self._semaphore:
+            try:
+                response = await answer_while_alive(
+                    self._call("POST", BATCH_ROUTE, long=True, json={"requests": payloads}),
+                    self.health, every_s=self._control_timeout_s, address=self.address)
+            except EngineError as error:
+                if error.status == 404 and error.server_message == "Not Found":  # the route, not a model
+                    self._batch_route = False
+                    return None
+                raise
+        self._batch_route = True
+        return response.json()["responses"]
 
     async def load_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Load the PEFT adapter at `path` (as the server sees it) under `name`.

@@ -80,5 +80,8 @@ def watch_owner() -> threading.Thread | None:
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
+    from graft.rollout.vllm_batch_route import patch_build_app
+
     watch_owner()
+    patch_build_app()
     main()

@@ -1,0 +1,66 @@
+"""`POST /v1/graft/completions`: a whole rollout batch in one HTTP call, each prompt with its own
+sampling parameters — added to the vLLM API server graft launches (graft.rollout.vllm_entry).
+
+Why: a step's batch sent as one `/v1/completions` call per prompt reaches vLLM's engine in waves
+(its one front-end thread parses request after request while the engine is already stepping), and
+one `/v1/completions` call carrying every prompt gives every prompt the same seed — vLLM seeds
+sample g of each prompt with `seed + g`, so the g-th samples of all prompts would draw the same
+random numbers. This route takes a list of ordinary `/v1/completions` bodies and hands them to
+vLLM's own completion handler together, in one event-loop pass, so the engine sees the batch at
+once and every prompt keeps its seed. Measured on 2 cores (hidden 128, 2 layers, 16 prompts x 8
+samples x 32 tokens): see `graft bench rollout` and docs/benchmarks.md.
+
+Each body is validated and served exactly as `/v1/completions` serves it (same model / adapter
+resolution, log-probs, token ids); the answer is `{"responses": [<CompletionResponse>...]}` in
+order, or the first error with its status. The path is under `/v1`, so vLLM's API-key check
+applies to it.
+"""
+
+import asyncio
+
+ROUTE = "/v1/graft/completions"
+
+
+def add_batch_route(app) -> None:
+    """Register `ROUTE` on vLLM's FastAPI `app`."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+
+    @app.post(ROUTE)
+    async def completions_batch(raw_request: Request):
+        body = await raw_request.json()
+        bodies = body.get("requests") if isinstance(body, dict) else None
+        if not isinstance(bodies, list) or not bodies:
+            return _error(400, "expected a JSON object {\"requests\": [<completion request>, ...]} with at least one")
+        try:
+            requests = [CompletionRequest.model_validate(b) for b in bodies]
+        except ValidationError as error:
+            return _error(400, str(error))
+        if any(r.stream for r in requests):
+            return _error(400, "streaming is not supported in a batch")
+        handler = raw_request.app.state.openai_serving_completion
+        answers = await asyncio.gather(*(handler.create_completion(r, raw_request) for r in requests))
+        for answer in answers:
+            if not isinstance(answer, CompletionResponse):  # an ErrorResponse
+                return JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
+        return JSONResponse(content={"responses": [a.model_dump() for a in answers]})
+
+    def _error(status: int, message: str):
+        return JSONResponse(status_code=status, content={"error": {"message": message, "type": "BadRequestError",
+                                                                   "code": status}})
+
+
+def patch_build_app() -> None:
+    """Make vLLM's API server entry build its app with `ROUTE` added."""
+    from vllm.entrypoints.launchers.api_server import entry
+
+    build_app = entry.build_app
+
+    def build_app_with_batch_route(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+        add_batch_route(app)
+        return app
+
+    entry.build_app = build_app_with_batch_route
