@@ -8,8 +8,14 @@ rollout batch (on-policy: graft with max_staleness 0, so neither side overlaps a
 - graft: `graft train` in this process against one vLLM-CPU server the bench starts (adapter sync
   with verification every step, as a user runs it); split = rollout / train / sync from
   metrics.jsonl.
+- graft-async: the same with `rollout.max_staleness: 1` (the next batch is sampled with the
+  previous version while the update and the sync run).
 - TRL: `graft.bench.trl_worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
   split = generation + scoring / the rest.
+- floor: what no vLLM-based step can beat — the step's prompts and samples generated in one
+  plain `/v1/completions` call (unseeded; the server's own time for the batch, through an
+  adapter), plus graft's median update time. graft's rollout / that call and step / floor say
+  how much of a step is graft's own overhead.
 
 Runs interleave A B A B over the repetitions; the first `warmup` steps of every run are dropped and
 the medians are taken over the remaining steps of all repetitions.
@@ -20,10 +26,13 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 import safetensors.torch
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -78,9 +87,15 @@ def trl_spec(base: Path, workload: Workload, steps: int, seed: int) -> dict:
             "max_new_tokens": workload.max_new_tokens, "mini_batches": 1, "lr": LR, **LORA, "steps": steps}
 
 
-def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path) -> list[dict]:
+SIDES = ("graft", "graft-async", "trl")
+
+
+def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path,
+                max_staleness: int = 0) -> list[dict]:
     """Per-step rows {seconds, rollout/train/sync seconds, completion_tokens_mean} of one graft run."""
-    config = load_config(None, graft_overrides(base, url, workload, steps, seed, name=f"e2e-{run_dir.name}"))
+    overrides = [*graft_overrides(base, url, workload, steps, seed, name=f"e2e-{run_dir.name}"),
+                 f"rollout.max_staleness={max_staleness}"]
+    config = load_config(None, overrides)
     asyncio.run(train(config, run_dir))
     completions = workload.prompts * workload.samples
     return [{"seconds": row["step_seconds"], **{k: row[k] for k in SPLIT},
@@ -92,58 +107,109 @@ def trl_steps(python: Path, base: Path, workload: Workload, steps: int, seed: in
     return run_trl(python, trl_spec(base, workload, steps, seed), work)["steps"]
 
 
-def summarise(workload: Workload, measured: dict[str, list[list[dict]]]) -> dict:
-    """Medians over the measured steps of every repetition, per side, and the ratio trl / graft."""
+def summarise(workload: Workload, measured: dict[str, list[list[dict]]], one_call: list[float]) -> dict:
+    """Medians over the measured steps of every repetition, per side; the ratios trl / graft; the
+    floor (one engine call for the batch + graft's update) and each graft side's step / floor."""
     row = asdict(workload)
     for side, runs in measured.items():
         steps = [step for run in runs for step in run]
         row[f"{side}_seconds_per_step"] = statistics.median(s["seconds"] for s in steps)
         row[side] = {key: statistics.median(s[key] for s in steps) for key in (*SPLIT, "completion_tokens_mean")}
         row[side]["repetition_medians"] = [statistics.median(s["seconds"] for s in run) for run in runs]
-    row["ratio"] = row["trl_seconds_per_step"] / row["graft_seconds_per_step"]
+    row["one_call_seconds"] = statistics.median(one_call)
+    row["floor_seconds"] = row["one_call_seconds"] + row["graft"]["train_seconds"]
+    for side in ("graft", "graft-async"):
+        row[f"{side}_ratio"] = row["trl_seconds_per_step"] / row[f"{side}_seconds_per_step"]
+        row[f"{side}_over_floor"] = row[f"{side}_seconds_per_step"] / row["floor_seconds"]
+        row[f"{side}_rollout_over_one_call"] = row[side]["rollout_seconds"] / row["one_call_seconds"]
+    row["ratio"] = row["graft_ratio"]
     return row
+
+
+def one_call_seconds(url: str, base: Path, adapter: str, workload: Workload, calls: int = 3) -> list[float]:
+    """Seconds of `calls` plain `/v1/completions` calls, each carrying the workload's prompts (the
+    task's first training prompts) with n samples, unseeded, through `adapter`."""
+    from graft.models.loading import load_tokenizer
+    from graft.tasks import render_prompt_ids
+    from graft.tasks.arithmetic import arithmetic_task
+
+    tokenizer = load_tokenizer(str(base))
+    prompts = [render_prompt_ids(tokenizer, ex) for ex in arithmetic_task()[0][: workload.prompts]]
+    body = {"model": adapter, "prompt": prompts, "n": workload.samples, "max_tokens": workload.max_new_tokens,
+            "temperature": 1.0, "top_p": 1.0, "logprobs": 1, "return_token_ids": True}
+    seconds = []
+    with httpx.Client(base_url=url, timeout=600, trust_env=False) as client:
+        for _ in range(calls + 1):  # the first warms up
+            start = time.perf_counter()
+            client.post("/v1/completions", json=body).raise_for_status()
+            seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
+def _one_workload(base: Path, url: str, adapter: str, workload: Workload, repeats: int, steps: int, warmup: int,
+                  work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]], list[float]]:
+    """Every side's measured steps over the repetitions (interleaved), and the one-call seconds."""
+    measured: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
+    one_call: list[float] = []
+    for rep in range(repeats):
+        one_call += one_call_seconds(url, base, adapter, workload)
+        for side in SIDES:
+            run_dir = work / f"{workload.name}-{side}-{rep}"
+            if side == "trl":
+                steps_rows = trl_steps(python, base, workload, steps, rep, run_dir)
+            else:
+                steps_rows = graft_steps(base, url, workload, steps, rep, run_dir,
+                                         max_staleness=int(side == "graft-async"))
+            measured[side].append(steps_rows[warmup:])
+            report(f"{workload.name} {side:11s} repetition {rep + 1}: "
+                   f"{statistics.median(s['seconds'] for s in steps_rows[warmup:]):.3f} s/step")
+    return measured, one_call
 
 
 def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
-    """Seconds per step of graft and TRL for each (hidden, layers) model and workload, interleaved
-    A B A B over `repeats`."""
+    """Seconds per step of graft (on-policy and max_staleness 1) and TRL for each (hidden, layers)
+    model and workload, interleaved A B C A B C over `repeats`, and the floor next to them."""
+    from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
     from graft.quickstart.base import default_cache_dir
+    from graft.rollout.vllm_client import VllmClient
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console)
-    rows = []
-    total, done = len(models) * len(workloads) * repeats * 2, 0
+    rows, done = [], [0]
+    total = len(models) * len(workloads) * repeats * len(SIDES)
+
+    def report(line: str) -> None:
+        done[0] += 1
+        console.print(f"[{done[0]}/{total}] {model} {line}")
+
     for hidden, layers in models:
         model = f"h{hidden} l{layers}"
         with tempfile.TemporaryDirectory(prefix="graft-bench-e2e-") as tmp:
             work = Path(tmp)
             base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+            adapter_dir, _ = prepare_adapter_and_merged(base, work, LORA["rank"], torch.float32)
             console.print(f"{model}: starting vLLM-CPU for graft's side (~30-60 s; TRL generates in-process)")
             server = VllmServer(VllmServerConfig(model=str(base), dtype="float32",
                                                  max_lora_rank=max(8, LORA["rank"]), max_loras=4, log_dir=work)).start()
             try:
+                asyncio.run(_load(VllmClient, server.url, ADAPTER, adapter_dir))
                 for workload in workloads:
-                    measured: dict[str, list[list[dict]]] = {"graft": [], "trl": []}
-                    for rep in range(repeats):
-                        for side in ("graft", "trl"):
-                            run_dir = work / f"{workload.name}-{side}-{rep}"
-                            if side == "graft":
-                                steps_rows = graft_steps(base, server.url, workload, steps, rep, run_dir)
-                            else:
-                                steps_rows = trl_steps(python, base, workload, steps, rep, run_dir)
-                            measured[side].append(steps_rows[warmup:])
-                            done += 1
-                            median = statistics.median(s["seconds"] for s in steps_rows[warmup:])
-                            console.print(f"[{done}/{total}] {model} {workload.name} {side:5s} "
-                                          f"repetition {rep + 1}: {median:.3f} s/step")
-                    rows.append({"model": model, "parameters": _parameters(base), **summarise(workload, measured)})
+                    measured, one_call = _one_workload(base, server.url, ADAPTER, workload, repeats, steps, warmup,
+                                                       work, python, report)
+                    rows.append({"model": model, "parameters": _parameters(base),
+                                 **summarise(workload, measured, one_call)})
             finally:
                 server.stop()
     return {"lora": LORA, "lr": LR, "dtype": "float32", "repeats": repeats, "steps_per_run": steps,
             "warmup_steps": warmup, "trl_version": TRL_VERSION,
             "graft_engine": "vLLM-CPU (one server, adapter sync + verify every step)",
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
+
+
+async def _load(client_class, url: str, name: str, path: Path) -> None:
+    async with client_class(url) as client:
+        await client.load_adapter(name, str(path))
 
 
 def _parameters(model_dir: Path) -> int:
@@ -153,12 +219,18 @@ def _parameters(model_dir: Path) -> int:
 def print_e2e_report(result: dict) -> None:
     table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} (random Qwen2, fp32, "
                         f"medians of {result['repeats']} x {result['steps_per_run'] - result['warmup_steps']} steps)")
-    for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "tok/compl", "TRL/graft"):
+    for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "tok/compl", "TRL/graft",
+                   "step/floor", "rollout/1 call"):
         table.add_column(column)
     for row in result["workloads"]:
-        for side in ("graft", "trl"):
-            split = row[side]
+        for side in SIDES:
+            split, graft_side = row[side], side != "trl"
             table.add_row(f"{row['model']} {row['parameters'] / 1e6:.1f}M", row["name"], side,
                           f"{row[f'{side}_seconds_per_step']:.3f}", *(f"{split[k]:.3f}" for k in SPLIT),
-                          f"{split['completion_tokens_mean']:.1f}", f"{row['ratio']:.2f}x" if side == "trl" else "")
-    Console(width=max(Console().width, 110)).print(table)
+                          f"{split['completion_tokens_mean']:.1f}",
+                          f"{row[f'{side}_ratio']:.2f}x" if graft_side else "",
+                          f"{row[f'{side}_over_floor']:.2f}" if graft_side else "",
+                          f"{row[f'{side}_rollout_over_one_call']:.2f}" if graft_side else "")
+        table.add_row("", row["name"], "floor", f"{row['floor_seconds']:.3f}", f"{row['one_call_seconds']:.3f}",
+                      f"{row['graft']['train_seconds']:.3f}", "", "", "", "", "")
+    Console(width=max(Console().width, 140)).print(table)

@@ -5,11 +5,14 @@ session's vLLM server, TRL in its own virtualenv) gives sane per-step rows and l
 import asyncio
 import json
 
+import httpx
 import peft
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from graft.bench.e2e import Workload, graft_overrides, graft_steps, summarise, trl_spec, trl_steps
+from graft.bench.e2e import Workload, graft_overrides, graft_steps, one_call_seconds, summarise, trl_spec, trl_steps
+from graft.bench.rollout import prepare_adapter_and_merged
 from graft.bench.learning import graft_config, graft_curve, plot_learning, score_adapters, time_to_reach
 from graft.bench.learning import trl_spec as learning_trl_spec
 from graft.bench.trl_env import run_trl, trl_python
@@ -19,6 +22,7 @@ from graft.quickstart.base import default_cache_dir
 from graft.rollout.vllm_client import VllmClient
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.rewards import exact_numeric_and_format
+from graft.train.metrics import read_jsonl
 
 WORKLOAD = Workload("test", prompts=2, samples=4, max_new_tokens=4)
 
@@ -59,15 +63,21 @@ def test_trl_prompts_tokenize_like_graft_and_score_with_graft_reward(base_dir):
                       exact_numeric_and_format("2", examples[1])] == [1.0, 0.0, 1.0]
 
 
-def test_summarise_takes_medians_over_repetitions_and_the_ratio():
+def test_summarise_takes_medians_over_repetitions_the_ratios_and_the_floor():
     def step(seconds):
         return {"seconds": seconds, "rollout_seconds": seconds / 2, "train_seconds": seconds / 4,
                 "sync_seconds": 0.1, "completion_tokens_mean": 4.0}
     row = summarise(WORKLOAD, {"graft": [[step(1.0), step(2.0)], [step(3.0)]],
-                               "trl": [[step(4.0), step(9.0)], [step(5.0)]]})
+                               "graft-async": [[step(1.0)], [step(1.0)]],
+                               "trl": [[step(4.0), step(9.0)], [step(5.0)]]}, one_call=[0.2, 0.5, 0.3])
     assert row["graft_seconds_per_step"] == 2.0 and row["trl_seconds_per_step"] == 5.0 and row["ratio"] == 2.5
+    assert row["graft-async_ratio"] == 5.0
     assert row["graft"]["rollout_seconds"] == 1.0 and row["graft"]["repetition_medians"] == [1.5, 3.0]
     assert (row["name"], row["prompts"], row["samples"], row["max_new_tokens"]) == ("test", 2, 4, 4)
+    # floor = the median one-call generation + graft's median update
+    assert row["one_call_seconds"] == 0.3 and row["floor_seconds"] == pytest.approx(0.3 + 0.5)
+    assert row["graft_over_floor"] == pytest.approx(2.0 / 0.8) and row["graft-async_over_floor"] == pytest.approx(1 / 0.8)
+    assert row["graft_rollout_over_one_call"] == pytest.approx(1.0 / 0.3)
 
 
 def test_learning_curve_counts_step_seconds_only(tmp_path):
@@ -88,14 +98,39 @@ def test_learning_curve_counts_step_seconds_only(tmp_path):
 @pytest.mark.trl
 def test_both_sides_run_a_real_short_step_loop(vllm_server, base_dir, tmp_path):
     graft_rows = graft_steps(base_dir, vllm_server.url, WORKLOAD, 2, 0, tmp_path / "graft")
+    async_rows = graft_steps(base_dir, vllm_server.url, WORKLOAD, 3, 0, tmp_path / "graft-async", max_staleness=1)
     python = trl_python(default_cache_dir())
     trl_rows = trl_steps(python, base_dir, WORKLOAD, 2, 0, tmp_path / "trl")
+    assert [r["staleness_max"] for r in read_jsonl(tmp_path / "graft-async" / "metrics.jsonl")] == [0, 1, 1]
     for rows in (graft_rows, trl_rows):
         assert len(rows) == 2
         assert all(r["seconds"] > 0 and r["rollout_seconds"] > 0 and 0 < r["completion_tokens_mean"] <= 4
                    for r in rows)
     assert all(r["sync_seconds"] > 0 for r in graft_rows)  # graft publishes and loads every version
     assert all(r["sync_seconds"] == 0 for r in trl_rows)  # TRL generates with the training weights
+
+
+@pytest.mark.vllm
+def test_one_call_floor_generates_the_workload_through_the_adapter(vllm_server, base_dir, tmp_path):
+    adapter, _ = prepare_adapter_and_merged(base_dir, tmp_path, 8, torch.float32)
+    asyncio.run(_load(vllm_server.url, "floor-v1", adapter))
+    try:
+        seconds = one_call_seconds(vllm_server.url, base_dir, "floor-v1", WORKLOAD, calls=2)
+    finally:
+        asyncio.run(_unload(vllm_server.url, "floor-v1"))
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    with pytest.raises(httpx.HTTPStatusError):  # through the adapter: an unloaded one is refused
+        one_call_seconds(vllm_server.url, base_dir, "floor-v1", WORKLOAD, calls=1)
+
+
+async def _load(url: str, name: str, path) -> None:
+    async with VllmClient(url) as client:
+        await client.load_adapter(name, str(path))
+
+
+async def _unload(url: str, name: str) -> None:
+    async with VllmClient(url) as client:
+        await client.unload_adapter(name)
 
 
 @pytest.mark.vllm
