@@ -44,7 +44,6 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.vllm_batch_route import ROUTE as BATCH_ROUTE
 from graft.rollout.http_util import (
     answer_while_alive,
     auth_headers,
@@ -54,6 +53,7 @@ from graft.rollout.http_util import (
     send,
     server_message,
 )
+from graft.rollout.vllm_batch_route import ROUTE as BATCH_ROUTE
 
 
 def error_for(status: int, message: str, address: str) -> EngineError:
