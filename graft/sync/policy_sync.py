@@ -75,6 +75,8 @@ class PolicySync:
                                         warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,
+                "sync_publish_seconds": result.publish_seconds, "sync_apply_seconds": result.apply_seconds,
+                "sync_verify_seconds": verify_seconds,
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
                 "logprob_abs_diff_max": gap, "policy_version": result.version,
                 "engines_live": live_engine_count(self.engine)}

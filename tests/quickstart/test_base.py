@@ -18,7 +18,7 @@ def test_quickstart_runs_what_configs_quickstart_yaml_says(tmp_path):
 
 def test_base_model_is_built_once_per_arguments(tmp_path, monkeypatch):
     monkeypatch.setattr(quickstart, "SFT_ARGS", {"hidden": 64, "layers": 1, "steps": 3, "batch": 4, "lr": 1e-3,
-                                                 "target_loss": None, "progress": False})
+                                                 "target_accuracy": None, "progress": False})
     console = Console(file=open(tmp_path / "out.txt", "w"))
     first, built = quickstart.cached_base_model(0, tmp_path / "cache", console)
     assert built and (first / "sft.json").is_file()

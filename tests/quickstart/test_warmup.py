@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from graft.models.tokenizer import train_tokenizer
 from graft.quickstart.warmup import (
     IGNORE_INDEX,
-    LOSS_WINDOW,
+    PROBE_EVERY,
     collate_sft,
     generate_completions,
     greedy_accuracy,
@@ -28,7 +28,7 @@ SMALL = {
     "lr": 3e-3,
     "seed": 0,
     "task_kwargs": {"max_operand": 20, "n_train": 200, "n_eval": 20},
-    "target_loss": None,
+    "target_accuracy": None,
     "progress": False,
 }
 
@@ -69,10 +69,16 @@ def test_saved_dir_loads_with_auto_classes(sft_dirs):
     assert 0.0 <= greedy_accuracy(model, tok, eval_set[:8]) <= 1.0
 
 
-def test_target_loss_stops_early(tmp_path):
-    out = sft_base_model(tmp_path / "m", **{**SMALL, "target_loss": 100.0})
-    record = json.loads((out / "sft.json").read_text())
-    assert record["steps_run"] == len(record["losses"]) == LOSS_WINDOW
+def test_target_accuracy_stops_at_the_first_probe_that_reaches_it(tmp_path):
+    reached = sft_base_model(tmp_path / "reached", **{**SMALL, "target_accuracy": 0.0})
+    record = json.loads((reached / "sft.json").read_text())
+    assert record["steps_run"] == len(record["losses"]) == PROBE_EVERY
+    assert [step for step, _ in record["probe_accuracy"]] == [PROBE_EVERY]
+    never = sft_base_model(tmp_path / "never", **{**SMALL, "steps": 2 * PROBE_EVERY + 3, "target_accuracy": 1.01})
+    record = json.loads((never / "sft.json").read_text())
+    assert record["steps_run"] == 2 * PROBE_EVERY + 3
+    assert [step for step, _ in record["probe_accuracy"]] == [PROBE_EVERY, 2 * PROBE_EVERY]
+    assert all(0.0 <= accuracy <= 1.0 for _, accuracy in record["probe_accuracy"])
 
 
 def test_refuses_a_non_empty_out_dir(tmp_path):

@@ -11,7 +11,7 @@ from graft.sync.verify import DeliveryError
 from tests.helpers import trained_like_peft_model
 
 METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "logprob_abs_diff_max",
-               "policy_version", "engines_live"}
+               "policy_version", "engines_live", "sync_publish_seconds", "sync_apply_seconds", "sync_verify_seconds"}
 
 
 def _config(base_dir, *overrides):
@@ -46,6 +46,8 @@ def test_policy_sync_syncs_verifies_and_reports_metrics(base_dir, tmp_path, mode
         assert set(row) == METRIC_KEYS
         assert row["sync_mode"] == mode and row["policy_version"] == version
         assert row["sync_bytes"] > 0 and row["sync_seconds"] > 0 and row["engines_live"] == 1
+        parts = row["sync_publish_seconds"] + row["sync_apply_seconds"] + row["sync_verify_seconds"]
+        assert 0 < row["sync_verify_seconds"] and 0 < parts <= row["sync_seconds"]
         assert row["logprob_abs_diff_max"] <= 1e-3  # fp32 reference engine: the same numbers as the trainer
     assert [r["engine_adapters_loaded"] for r in rows] == ([1, 2, 2] if mode == "adapter" else [0, 0, 0])
     assert left_loaded == []
