@@ -8,9 +8,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from graft.models.tokenizer import train_tokenizer
+from graft.quickstart import warmup
 from graft.quickstart.warmup import (
     IGNORE_INDEX,
     PROBE_EVERY,
+    PROBE_EVERY_NEAR,
     collate_sft,
     generate_completions,
     greedy_accuracy,
@@ -79,6 +81,18 @@ def test_target_accuracy_stops_at_the_first_probe_that_reaches_it(tmp_path):
     assert record["steps_run"] == 2 * PROBE_EVERY + 3
     assert [step for step, _ in record["probe_accuracy"]] == [PROBE_EVERY, 2 * PROBE_EVERY]
     assert all(0.0 <= accuracy <= 1.0 for _, accuracy in record["probe_accuracy"])
+
+
+def test_probes_every_step_once_above_half_the_target(tmp_path, monkeypatch):
+    scripted = iter([0.1, 0.3, 0.45, 0.2, 0.5])  # 0.3 and 0.45 are above half of 0.5: the next probe is near
+    monkeypatch.setattr(warmup, "greedy_accuracy", lambda *args, **kwargs: next(scripted))
+    out = sft_base_model(tmp_path / "m", **{**SMALL, "steps": 200, "target_accuracy": 0.5})
+    record = json.loads((out / "sft.json").read_text())
+    steps = [PROBE_EVERY, 2 * PROBE_EVERY]
+    steps += [steps[-1] + PROBE_EVERY_NEAR, steps[-1] + 2 * PROBE_EVERY_NEAR]
+    steps.append((steps[-1] // PROBE_EVERY + 1) * PROBE_EVERY)  # 0.2 is below half the target again
+    assert record["probe_accuracy"] == [[step, a] for step, a in zip(steps, [0.1, 0.3, 0.45, 0.2, 0.5])]
+    assert record["steps_run"] == steps[-1]
 
 
 def test_refuses_a_non_empty_out_dir(tmp_path):
