@@ -90,8 +90,8 @@ class RolloutConfig(Section):
     )
     max_model_len: int | None = Field(
         2048, ge=1, description="Context length (prompt + completion tokens) of the server graft launches "
-        "(vLLM --max-model-len, SGLang --context-length); null = the model's own limit from its config.json. Servers at rollout.urls keep "
-        "their own."
+        "(vLLM --max-model-len, SGLang --context-length); null = the model's own limit from its config.json. "
+        "Servers at rollout.urls keep their own."
     )
 
     tensor_parallel_size: int = Field(

@@ -16,7 +16,6 @@ sets: its importance ratios need the policy's raw log-probs, as every other engi
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +64,6 @@ class SglangServerConfig:
         max_running_requests: Requests decoded together.
         venv: SGLang's virtualenv; None = `sglang_python()`'s default.
         log_dir, startup_timeout_s, stop_timeout_s, extra_args: as for `VllmServerConfig`.
-        dev_endpoints: Unused (SGLang's weight reload needs no opt-in); kept for the shared stop code.
 
     Raises:
         ValueError: a non-loopback host, an unknown dtype or a rank below 1.
@@ -86,7 +84,6 @@ class SglangServerConfig:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     extra_args: list[str] = field(default_factory=list)
-    dev_endpoints: bool = False
 
     def __post_init__(self) -> None:
         if not (self.host in LOOPBACK_HOSTS or self.host.startswith("127.")):

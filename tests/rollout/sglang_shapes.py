@@ -139,7 +139,8 @@ LOAD_LORA_ALREADY = (400, {"rid": None, "http_worker_ipc": None, "success": Fals
 # managers/tokenizer_communicator_mixin.py@00096b5f load_lora_adapter, ValueError branch.
 LOAD_LORA_NOT_ENABLED = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
     "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."), "loaded_adapters": None})
-UNLOAD_LORA_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "", "loaded_adapters": {}})
+UNLOAD_LORA_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                        "loaded_adapters": {}})
 # lora/lora_registry.py@0270cffc LoRARegistry.unregister.
 UNLOAD_LORA_UNKNOWN = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
     "LoRA with name policy-v9 does not exist. Loaded LoRAs: odict_keys(['policy-v3'])"),

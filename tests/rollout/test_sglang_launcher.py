@@ -74,7 +74,8 @@ def test_kernel_stub_calls_are_read_from_the_log(tmp_path):
 def test_the_kernel_stand_in_fails_loudly_and_has_no_submodules(tmp_path):
     code = ("import sgl_kernel, importlib\n"
             "try:\n    sgl_kernel.rmsnorm_cpu(1)\nexcept NotImplementedError as e:\n    print('raised', e)\n"
-            "try:\n    importlib.import_module('sgl_kernel.scalar_type')\nexcept ImportError:\n    print('no submodule')\n")
+            "try:\n    importlib.import_module('sgl_kernel.scalar_type')\n"
+            "except ImportError:\n    print('no submodule')\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(CPU_FIXES_DIR)},
                          capture_output=True, text=True, check=True)
     assert "raised sgl_kernel.rmsnorm_cpu" in out.stdout and "no submodule" in out.stdout
@@ -109,7 +110,8 @@ def test_graft_serve_sglang_serves_and_dies_with_a_killed_graft(base_dir, tmp_pa
             time.sleep(1)
         assert f"SGLang serving {base_dir} in dtype float32 at {url}" in said.read_text()
         assert _model_path(url) == str(base_dir)
-        server_pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        pgrep = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True)
+        server_pids = pgrep.stdout.split()
         groups = {os.getpgid(int(pid)) for pid in server_pids} - {os.getpgid(proc.pid)}
         assert len(groups) == 1  # SGLang in its own group, apart from graft's
         proc.send_signal(signal.SIGKILL)  # no stop() runs: only the watchdog can end the server
