@@ -125,3 +125,14 @@ def test_graft_serve_sglang_serves_and_dies_with_a_killed_graft(base_dir, tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_graft_train_on_sglang_without_its_venv_is_one_line_and_rc_2(base_dir, tmp_path, monkeypatch, capsys):
+    from graft.cli import main
+
+    monkeypatch.setenv("GRAFT_SGLANG_VENV", str(tmp_path / "none"))
+    code = main(["train", "-o", f"model.path={base_dir}", "-o", "rollout.engine=sglang", "-o", "train.steps=1",
+                 "--run-dir", str(tmp_path / "run")])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("graft:")]
+    assert code == 2 and err == [f"graft: error: no SGLang virtualenv at {tmp_path / 'none'}: build it with "
+                                 "`make sglang-venv` (or set GRAFT_SGLANG_VENV)"]
