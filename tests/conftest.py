@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from graft.models.tiny import build_tiny_model  # noqa: E402
+from graft.rollout.sglang_launcher import SglangServer, SglangServerConfig, sglang_missing  # noqa: E402
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig  # noqa: E402
 from tests.helpers import live_group_members  # noqa: E402
 
@@ -45,3 +46,20 @@ def vllm_server(base_dir, tmp_path_factory):
         print(f"\nvLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
         yield server
     assert live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"
+
+
+@pytest.fixture(scope="session")
+def sglang_server(base_dir, tmp_path_factory):
+    """One real SGLang server for the session (EXPERIMENTAL engine, docs/sglang-cpu.md): tiny fp32
+    qwen2, LoRA rank <= 8; skipped where `make sglang-venv` has not built SGLang's virtualenv. Every
+    test leaves it serving the base weights; adapters a test loaded it unloads."""
+    if (missing := sglang_missing()) is not None:
+        pytest.skip(missing)
+    config = SglangServerConfig(model=str(base_dir), dtype="float32", max_lora_rank=8,
+                                log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    with SglangServer(config) as server:
+        pgid = server.pid
+        print(f"\nSGLang server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
+        yield server
+        assert server.kernel_stub_calls() == [], "SGLang called a CPU kernel graft's stand-in does not have"
+    assert live_group_members(pgid) == [], "SGLang processes survived SglangServer.stop()"

@@ -75,17 +75,45 @@ def test_serve_with_an_unset_api_key_variable_is_one_line_before_any_start(base_
 def test_serve_says_a_bf16_server_fails_a_float32_run_and_how_to_fix_it(tmp_path):
     class Served:
         url, startup_seconds, log_path = "http://127.0.0.1:8000", 42.0, tmp_path / "vllm-8000.log"
+        ENGINE_NAME = "vLLM"
 
         def served_dtype(self):
             return "bfloat16"
 
-    args = argparse.Namespace(model="m", dtype="auto", weight_reload=False)
+    args = argparse.Namespace(model="m", dtype="auto", weight_reload=False, engine="vllm")
     banner, dtype_hint, reload_line = _serving_lines(args, Served()).splitlines()
     assert banner.startswith("vLLM serving m in dtype bfloat16 at http://127.0.0.1:8000")
     assert dtype_hint == ("graft serve: a run with model.dtype float32 (the default) needs `graft serve --dtype "
                           "float32`: on dtype bfloat16 its first delivery check fails")
     assert reload_line == "graft serve: weight reload (sync.mode merged) is off: sync.mode adapter only " \
                           "(--weight-reload turns it on)"
+
+
+def test_serve_sglang_names_sglang_and_its_always_on_weight_reload(tmp_path):
+    class Served:
+        url, startup_seconds, log_path = "http://127.0.0.1:8000", 90.0, tmp_path / "sglang-8000.log"
+        ENGINE_NAME = "SGLang"
+
+        def served_dtype(self):
+            return "float32"
+
+    args = argparse.Namespace(model="m", dtype="float32", weight_reload=False, engine="sglang")
+    banner, reload_line = _serving_lines(args, Served()).splitlines()
+    assert banner.startswith("SGLang serving m in dtype float32 at http://127.0.0.1:8000 (ready in 90 s")
+    assert reload_line == ("graft serve: weight reload (sync.mode merged) is on: SGLang always serves "
+                           "/update_weights_from_disk (loopback only)")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--host", "0.0.0.0"], "graft launches SGLang on loopback only"),
+    (["--api-key-env", "SERVE_KEY"], "--api-key-env is for vLLM"),
+])
+def test_serve_sglang_refuses_a_network_host_or_a_key_before_any_start(base_dir, tmp_path, capsys, no_start,
+                                                                       monkeypatch, extra, message):
+    monkeypatch.setenv("SERVE_KEY", "k")
+    assert main(["serve", str(base_dir), "--engine", "sglang", *extra, "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("graft: error: ") and message in err[0]
 
 
 @pytest.mark.vllm

@@ -89,9 +89,9 @@ class RolloutConfig(Section):
         0, ge=0, description="How many policy versions rollouts may lag the trainer; 0 = fully on-policy."
     )
     max_model_len: int | None = Field(
-        2048, ge=1, description="Context length (prompt + completion tokens) of the vLLM server graft launches "
-        "(vLLM --max-model-len); null = the model's own limit from its config.json. Servers at rollout.urls keep "
-        "their own."
+        2048, ge=1, description="Context length (prompt + completion tokens) of the server graft launches "
+        "(vLLM --max-model-len, SGLang --context-length); null = the model's own limit from its config.json. "
+        "Servers at rollout.urls keep their own."
     )
 
     tensor_parallel_size: int = Field(
@@ -167,7 +167,7 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _check_completions_fit(self) -> "RolloutConfig":
         """A completion longer than the launched server's context would fail every request."""
-        if self.engine == "vllm" and not self.urls and self.max_model_len is not None \
+        if self.engine != "reference" and not self.urls and self.max_model_len is not None \
                 and self.max_new_tokens >= self.max_model_len:
             raise ConfigError(f"rollout.max_new_tokens ({self.max_new_tokens}) leaves no room for the prompt in "
                               f"rollout.max_model_len ({self.max_model_len}): raise rollout.max_model_len "
@@ -308,12 +308,10 @@ class GraftConfig(Section):
         if rollout.engine == "reference" and rollout.urls:
             raise ConfigError("rollout.urls is set but rollout.engine is 'reference' (in-process, no server)",
                               keys=("rollout.urls", "rollout.engine"))
-        if rollout.engine == "sglang" and not rollout.urls:
-            raise ConfigError("rollout.engine 'sglang' needs rollout.urls: graft connects to SGLang servers, "
-                              "it does not launch them", keys=("rollout.engine", "rollout.urls"))
-        if rollout.engine == "vllm" and not rollout.urls and not rollout.launch:
-            raise ConfigError("rollout.urls is empty and rollout.launch is false: no vLLM server to talk to",
-                              keys=("rollout.urls", "rollout.launch"))
+        if rollout.engine != "reference" and not rollout.urls and not rollout.launch:
+            name = {"vllm": "vLLM", "sglang": "SGLang"}[rollout.engine]
+            raise ConfigError(f"rollout.urls is empty and rollout.launch is false: no {name} server to talk to",
+                              keys=("rollout.urls", "rollout.launch", "rollout.engine"))
         return self
 
     @model_validator(mode="after")

@@ -2,8 +2,9 @@
 
 `rollout.engine` picks the backend by name; `rollout.urls` connects to servers the user runs (one
 client each, pooled when there are several, with failover down to `rollout.min_engines`); with no
-URLs and `rollout.launch: true`, graft starts and owns one vLLM server, logging to RUN_DIR/logs,
-and always stops it on the way out. Every client gets the run's timeouts and API key.
+URLs and `rollout.launch: true`, graft starts and owns one server of `rollout.engine` (vLLM, or
+SGLang from its own virtualenv: see docs/sglang-cpu.md), logging to RUN_DIR/logs, and always stops
+it on the way out. Every client gets the run's timeouts and API key.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from graft.rollout.engine import BadRequestError, EngineUnavailableError, Rollou
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.sglang_client import SglangClient
+from graft.rollout.sglang_launcher import SglangServer, SglangServerConfig
 from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 
@@ -101,6 +103,20 @@ async def require_weight_reload(urls: list[str]) -> None:
                     address=url.rstrip("/"), status=404)
 
 
+def launched_server(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> VllmServer:
+    """The server graft launches for a run of `rollout.engine` (not started yet).
+
+    SGLang gets the same model directory, dtype, adapter limits and context length as vLLM would;
+    it needs no opt-in for weight reloads (`/update_weights_from_disk` is always served).
+    """
+    vllm = launch_config(config, run_dir, syncs)
+    if config.rollout.engine != "sglang":
+        return VllmServer(vllm)
+    return SglangServer(SglangServerConfig(model=vllm.model, dtype=vllm.dtype, max_lora_rank=vllm.max_lora_rank,
+                                           max_loras=vllm.max_loras, context_length=vllm.max_model_len,
+                                           log_dir=vllm.log_dir))
+
+
 @contextlib.asynccontextmanager
 async def open_engine(config: GraftConfig, run_dir: str | Path, *,
                       syncs: bool = True) -> AsyncIterator[RolloutEngine]:
@@ -126,7 +142,7 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
     async with contextlib.AsyncExitStack() as stack:
         urls, server = list(rollout.urls), None
         if not urls:
-            server = VllmServer(launch_config(config, run_dir, syncs))
+            server = launched_server(config, run_dir, syncs)
             await asyncio.to_thread(server.start)
             stack.callback(server.stop)
             urls = [server.url]

@@ -1,9 +1,12 @@
-"""`SglangClient`: the rollout engine protocol over SGLang's native HTTP API. EXPERIMENTAL — SGLang
-cannot run on the development machine, so this client is tested against a fake server that replays
-the request and response shapes quoted in `tests/rollout/sglang_shapes.py`.
+"""`SglangClient`: the rollout engine protocol over SGLang's native HTTP API. EXPERIMENTAL.
 
-The shapes were read from SGLang's own source (github.com/sgl-project/sglang); versions differ, so
-the files and commits are named here:
+Tested three ways: against a real SGLang 0.5.23 server on this CPU machine (`make sglang-venv`;
+`tests/rollout/test_sglang_server.py`, docs/sglang-cpu.md), against answers recorded from that
+server, and against a fake server that replays the shapes in `tests/rollout/sglang_shapes.py`.
+
+The shapes were first read from SGLang's own source (github.com/sgl-project/sglang); versions
+differ, so the files and commits are named here (the recordings confirmed them, plus `rid` and
+`http_worker_ipc` in LoRA answers and an `{"error": "<string>"}` body for a malformed request):
 
 - `python/sglang/srt/entrypoints/http_server.py` @ 0025436eab0556737d615b36a4dd3e1e26e82f3d: the
   routes `/generate`, `/load_lora_adapter`, `/unload_lora_adapter`, `/update_weights_from_disk`,
@@ -37,7 +40,7 @@ Behaviours of SGLang this client accounts for:
   load/unload answer (which also reflects SGLang's own LRU evictions).
 - `/flush_cache` answers plain text, 400 while requests are running or waiting.
 - The returned log-probs are of the temperature-scaled distribution unless the server runs with
-  `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (then before temperature).
+  `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (then before temperature; measured). graft's launcher sets it.
 """
 
 from __future__ import annotations

@@ -211,6 +211,9 @@ class VllmServer:
             urllib.request.urlopen(server.url + "/v1/models")
     """
 
+    ENGINE_NAME = "vLLM"  # in messages
+    LOG_PREFIX = "vllm"  # the log is <LOG_PREFIX>-<port>.log
+
     def __init__(self, config: VllmServerConfig):
         self.config = config
         self.port: int | None = config.port
@@ -279,7 +282,7 @@ class VllmServer:
             self.port = free_port(c.host)
         log_dir = Path(c.log_dir) if c.log_dir is not None else Path(tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"vllm-{self.port}.log"
+        self.log_path = log_dir / f"{self.LOG_PREFIX}-{self.port}.log"
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=self.environment(),
@@ -306,7 +309,7 @@ class VllmServer:
         self.startup_seconds = time.monotonic() - started
 
     def _failure(self, what: str) -> str:
-        return (f"vLLM server for {self.config.model} on {self.url} {what}; "
+        return (f"{self.ENGINE_NAME} server for {self.config.model} on {self.url} {what}; "
                 f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def stop(self) -> None:
@@ -352,7 +355,7 @@ class VllmServer:
         how = f"exited with code {code}"
         if code < 0:
             how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
-        return (f"the vLLM server graft launched (pid {self.pid}) {how}{then}; last lines of its log "
+        return (f"the {self.ENGINE_NAME} server graft launched (pid {self.pid}) {how}{then}; last lines of its log "
                 f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
 
     def _signal_group(self, sig: signal.Signals, wait_s: float) -> bool:

@@ -183,8 +183,8 @@ def test_every_shipped_config_is_valid_and_shows_its_launch_command():
 
 
 def test_a_cross_field_error_names_the_file_and_the_override_it_came_from(tmp_path):
-    path = _write(tmp_path, "rollout:\n  engine: sglang\n")
-    with pytest.raises(ConfigError, match=rf"needs rollout.urls.*\(in {path}\)$"):
+    path = _write(tmp_path, "rollout:\n  engine: sglang\n  launch: false\n")
+    with pytest.raises(ConfigError, match=rf"no SGLang server to talk to.*\(in {path}\)$"):
         load_config(path)
     with pytest.raises(ConfigError, match=rf"\(from override 'rollout.urls=\[\]'; in {path}\)$"):
         load_config(path, ["rollout.urls=[]"])

@@ -105,7 +105,7 @@ def test_data_task_and_path_both_null_rejected():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.engine=sglang"], "needs rollout.urls"),
+    (["rollout.engine=sglang", "rollout.launch=false"], "no SGLang server to talk to"),
     (["rollout.launch=false"], "no vLLM server to talk to"),
     (["rollout.engine=reference", "rollout.urls=[http://127.0.0.1:1]"], "in-process, no server"),
     (["sync.mode=full"], "graft trains a LoRA adapter"),

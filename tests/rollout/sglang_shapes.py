@@ -1,7 +1,14 @@
-"""SGLang native-API request and response shapes, reconstructed from SGLang's source
-(github.com/sgl-project/sglang) for the client tests and the fake server. Each block names the file
-(and commit) its shape comes from; values (ids, log-probs, paths, latencies) are made up, keys and
-nesting are SGLang's. Adapter names follow graft's `<lora.name>-v<N>`.
+"""SGLang native-API request and response shapes for the client tests and the fake server.
+
+The first part was reconstructed from SGLang's source (github.com/sgl-project/sglang); each block
+names the file (and commit) its shape comes from; values (ids, log-probs, paths, latencies) are made
+up, keys and nesting are SGLang's. Adapter names follow graft's `<lora.name>-v<N>`.
+
+The section "Recorded" at the end holds answers of a REAL server, copied verbatim: SGLang 0.5.23
+(the PyPI wheel) serving graft's tiny fp32 qwen2 on this CPU machine, 2026-11-25 (how it runs:
+docs/sglang-cpu.md). Where they and the reconstruction differ, the recordings are SGLang's behaviour
+and the reconstructed shapes were brought in line (meta_info's extra keys; `rid` and
+`http_worker_ipc` in every LoRAUpdateOutput).
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ GENERATE_RESPONSE = {
         "reasoning_tokens": 0,
         "completion_tokens": 3,
         "cached_tokens": 0,
+        "weight_versions": [{"version": "default", "start": 0, "end": 3}],
+        "cached_tokens_details": None,
+        "dp_rank": None,
         "e2e_latency": 0.0412,
+        "response_sent_to_client_ts": 1795632589.049314,
     },
 }
 # FINISH_MATCHED_TOKEN.to_json() (schedule_batch.py): eos sampled.
@@ -68,7 +79,11 @@ GENERATE_RESPONSE_STOP = {
         "reasoning_tokens": 0,
         "completion_tokens": 2,
         "cached_tokens": 5,
+        "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+        "cached_tokens_details": {"device": 5, "host": 0},
+        "dp_rank": None,
         "e2e_latency": 0.0377,
+        "response_sent_to_client_ts": 1795632589.1674087,
     },
 }
 # tokenizer_manager._collect_batch_responses: a batch (and n > 1) answers a list, in request order.
@@ -115,18 +130,19 @@ UNLOAD_LORA_REQUEST = {"lora_name": "policy-v3"}
 # http_server.load_lora_adapter / unload_lora_adapter: the LoRAUpdateOutput
 # {success, error_message, loaded_adapters}, 200 if success else 400. loaded_adapters is
 # lora_manager.create_lora_update_result's {lora_name: lora_path} of every adapter now loaded.
-LOAD_LORA_OK = (200, {"success": True, "error_message": "",
+LOAD_LORA_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
                       "loaded_adapters": {"policy-v3": "/runs/r1/weights/adapter-v000003"}})
 # lora/lora_manager.py validate_new_adapter.
-LOAD_LORA_ALREADY = (400, {"success": False, "error_message": (
+LOAD_LORA_ALREADY = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
     "Failed to load LoRA adapter policy-v3 because it is already loaded"),
     "loaded_adapters": {"policy-v3": "/runs/r1/weights/adapter-v000003"}})
 # managers/tokenizer_communicator_mixin.py@00096b5f load_lora_adapter, ValueError branch.
-LOAD_LORA_NOT_ENABLED = (400, {"success": False, "error_message": (
+LOAD_LORA_NOT_ENABLED = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
     "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."), "loaded_adapters": None})
-UNLOAD_LORA_OK = (200, {"success": True, "error_message": "", "loaded_adapters": {}})
+UNLOAD_LORA_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                        "loaded_adapters": {}})
 # lora/lora_registry.py@0270cffc LoRARegistry.unregister.
-UNLOAD_LORA_UNKNOWN = (400, {"success": False, "error_message": (
+UNLOAD_LORA_UNKNOWN = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
     "LoRA with name policy-v9 does not exist. Loaded LoRAs: odict_keys(['policy-v3'])"),
     "loaded_adapters": None})
 
@@ -151,3 +167,84 @@ FLUSH_CACHE_REFUSED = (400, FLUSH_CACHE_TEXT)
 # shutting down, or when no generation answer came within SGLANG_HEALTH_CHECK_TIMEOUT (20 s).
 HEALTH_OK = (200, "")
 HEALTH_UNAVAILABLE = (503, "")
+
+
+# === Recorded: answers of a real SGLang 0.5.23 server (see the module docstring) ===============
+# (status, body) exactly as received; bodies parsed from JSON, or the text of a plain-text answer.
+RECORDED_VERSION = "sglang 0.5.23 (PyPI wheel), tiny fp32 qwen2 (graft tiny-model, seed 0), CPU"
+
+# POST /generate {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"temperature": 0,
+#   "max_new_tokens": 4, "ignore_eos": true}, "return_logprob": true}
+RECORDED_GENERATE = (200, {
+    "text": " flower\u0001\u0012$", "output_ids": [850, 192, 209, 6],
+    "meta_info": {"id": "fcfb69aa193f4dcabd8219b6e86490e9", "finish_reason": {"type": "length", "length": 4},
+                  "prompt_tokens": 5, "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
+                  "output_token_logprobs": [[-6.508398532867432, 850, None], [-6.458697319030762, 192, None],
+                                            [-6.491931438446045, 209, None], [-6.325403213500977, 6, None]],
+                  "output_token_logprobs_length": 4, "reasoning_tokens": 0, "completion_tokens": 4,
+                  "cached_tokens": 0, "weight_versions": [{"version": "default", "start": 0, "end": 4}],
+                  "cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.19071352599894453,
+                  "response_sent_to_client_ts": 1795632589.049314}})
+# The same prompt with "lora_path": "policy-v1" (a PEFT adapter, rank 4, all linear layers).
+RECORDED_GENERATE_LORA_TOKENS = [770, 360, 163, 163]
+RECORDED_GENERATE_LORA_LOGPROBS = [-6.4710798263549805, -6.399001598358154, -6.42870569229126, -6.460287570953369]
+# POST /generate {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"temperature": 0.7, "top_p": 0.9,
+#   "max_new_tokens": 3, "n": 2, "sampling_seed": 5}, "return_logprob": true}: a list of n outputs.
+RECORDED_GENERATE_N2 = (200, [
+    {"text": "it planetocket", "output_ids": [308, 907, 942],
+     "meta_info": {"id": "81bf916d343041f7ae44875208bc0605", "finish_reason": {"type": "length", "length": 3},
+                   "prompt_tokens": 5, "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
+                   "output_token_logprobs": [[-7.133516311645508, 308, None], [-7.019596576690674, 907, None],
+                                             [-6.942510604858398, 942, None]],
+                   "output_token_logprobs_length": 3, "reasoning_tokens": 0, "completion_tokens": 3,
+                   "cached_tokens": 4, "weight_versions": [{"version": "default", "start": 0, "end": 3}],
+                   "cached_tokens_details": {"device": 4, "host": 0}, "dp_rank": None,
+                   "e2e_latency": 0.03517778599962185, "response_sent_to_client_ts": 1795632589.1674087}},
+    {"text": " dau explain protected", "output_ids": [886, 598, 715],
+     "meta_info": {"id": "71c527fc7a614102b9a5531211258145", "finish_reason": {"type": "length", "length": 3},
+                   "prompt_tokens": 5, "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
+                   "output_token_logprobs": [[-6.923368453979492, 886, None], [-6.950862884521484, 598, None],
+                                             [-6.926446437835693, 715, None]],
+                   "output_token_logprobs_length": 3, "reasoning_tokens": 0, "completion_tokens": 3,
+                   "cached_tokens": 4, "weight_versions": [{"version": "default", "start": 0, "end": 3}],
+                   "cached_tokens_details": {"device": 4, "host": 0}, "dp_rank": None,
+                   "e2e_latency": 0.030686337000588537, "response_sent_to_client_ts": 1795632589.167435}}])
+
+# /generate errors.
+RECORDED_GENERATE_UNKNOWN_LORA = (400, {"error": {"message": (
+    "Got LoRA adapter that has never been loaded: policy-v9\nAll loaded adapters: dict_keys(['policy-v1', "
+    "'policy-v2']).")}})
+RECORDED_GENERATE_LORA_NOT_ENABLED = (400, {"error": {"message": (
+    "LoRA adapter 'policy-v9' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")}})
+# A malformed body (sampling_params.temperature "hot"): "error" is a string here, not an object.
+RECORDED_GENERATE_INVALID = (400, {"error": "invalid type: string \"hot\", expected f64"})
+RECORDED_GENERATE_TOO_LONG = (400, {"error": {"message": (
+    "The input (2098 tokens) is longer than the model's context length (2048 tokens).")}})
+
+# /load_lora_adapter, /unload_lora_adapter (LoRAUpdateOutput, with rid and http_worker_ipc).
+RECORDED_LOAD_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                          "loaded_adapters": {"policy-v1": "/tmp/sgl/adapterA"}})
+RECORDED_LOAD_SECOND_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                                 "loaded_adapters": {"policy-v1": "/tmp/sgl/adapterA",
+                                                     "policy-v2": "/tmp/sgl/adapterB"}})
+RECORDED_LOAD_ALREADY = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
+    "Failed to load LoRA adapter policy-v1 because it is already loaded"),
+    "loaded_adapters": {"policy-v1": "/tmp/sgl/adapterA"}})
+RECORDED_LOAD_MISSING_PATH = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '/tmp/sgl/nope'. Use `repo_type` "
+    "argument if needed."), "loaded_adapters": {"policy-v1": "/tmp/sgl/adapterA", "policy-v2": "/tmp/sgl/adapterB"}})
+RECORDED_LOAD_NOT_ENABLED = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
+    "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."), "loaded_adapters": None})
+RECORDED_UNLOAD_OK = (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                            "loaded_adapters": {"policy-v2": "/tmp/sgl/adapterB"}})
+RECORDED_UNLOAD_UNKNOWN = (400, {"rid": None, "http_worker_ipc": None, "success": False, "error_message": (
+    "LoRA with name policy-v1 does not exist. Loaded LoRAs: odict_keys(['policy-v2'])"), "loaded_adapters": None})
+
+# /update_weights_from_disk, /flush_cache (plain text), /health.
+RECORDED_UPDATE_WEIGHTS_OK = (200, {"success": True, "message": "Succeeded to update model weights.",
+                                    "num_paused_requests": 0})
+RECORDED_UPDATE_WEIGHTS_MISSING = (400, {"success": False, "message": (
+    "Failed to get weights iterator: [Errno -2] Name or service not known."), "num_paused_requests": 0})
+RECORDED_FLUSH_CACHE = (200, FLUSH_CACHE_TEXT)
+RECORDED_HEALTH = (200, "")

@@ -128,11 +128,14 @@ def test_lora_update_and_weights_update_answers():
 
 
 class FakeSglang:
-    """SGLang's native routes on 127.0.0.1, answering with the quoted shapes; records
-    (method, path, json body) of every call and the peak number of concurrent /generate calls."""
+    """SGLang's native routes on 127.0.0.1, answering with the quoted shapes (the adapter answers
+    with the keys and words a real SGLang 0.5.23 sent, sglang_shapes "Recorded"); records
+    (method, path, json body) of every call, every answer by path, and the peak number of
+    concurrent /generate calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, object]] = []
+        self.answers: dict[str, list[tuple[int, object]]] = {}
         self.loaded: dict[str, str] = {}
         self.next_answer: dict[str, tuple[int, object]] = {}  # path -> answer for its next call only
         self.generate_delay_s = 0.0
@@ -179,6 +182,12 @@ class FakeSglang:
         return [path for _, path, _ in self.calls]
 
     def handle(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
+        answer = self._answer(method, path, body)
+        with self._lock:
+            self.answers.setdefault(path, []).append(answer)
+        return answer
+
+    def _answer(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
         with self._lock:
             self.calls.append((method, path, body))
             if path in self.next_answer:
@@ -208,20 +217,21 @@ class FakeSglang:
     def _control(self, path: str, body: dict | None) -> tuple[int, object]:
         if path == "/health":
             return shapes.HEALTH_OK
+        ids = {"rid": None, "http_worker_ipc": None}  # LoRAUpdateOutput's first keys, as recorded
         if path == "/load_lora_adapter":
             name = body["lora_name"]
             if name in self.loaded:
-                return 400, {"success": False, "loaded_adapters": dict(self.loaded), "error_message":
-                             f"Failed to load LoRA adapter {name} because it is already loaded"}
+                return 400, {**ids, "success": False, "error_message": f"Failed to load LoRA adapter {name} because "
+                             "it is already loaded", "loaded_adapters": dict(self.loaded)}
             self.loaded[name] = body["lora_path"]
-            return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.loaded)}
+            return 200, {**ids, "success": True, "error_message": "", "loaded_adapters": dict(self.loaded)}
         if path == "/unload_lora_adapter":
             name = body["lora_name"]
             if name not in self.loaded:
-                return 400, {"success": False, "loaded_adapters": None, "error_message":
-                             f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.loaded)})"}
+                return 400, {**ids, "success": False, "error_message": f"LoRA with name {name} does not exist. "
+                             f"Loaded LoRAs: odict_keys({list(self.loaded)})", "loaded_adapters": None}
             del self.loaded[name]
-            return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.loaded)}
+            return 200, {**ids, "success": True, "error_message": "", "loaded_adapters": dict(self.loaded)}
         if path == "/update_weights_from_disk":
             return shapes.UPDATE_WEIGHTS_OK
         if path == "/flush_cache":
