@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ DTYPES = ("auto", "bfloat16", "float32")
 SERVER_MODULE = "graft.rollout.vllm_entry"
 # The launching process's pid; the server's watchdog (graft.rollout.vllm_entry) stops the server once it is gone.
 OWNER_ENV = "GRAFT_OWNER_PID"
+# A token unique to one launch, in every process of that server: see `VllmServer._signal_group`.
+SERVER_ID_ENV = "GRAFT_SERVER_ID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 # vLLM's engine-config line ("Initializing a V1 LLM engine ... with config: ..., dtype=torch.bfloat16, ...").
@@ -152,9 +155,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 _RSS_FIELD = 21
 
 
-def group_stats(pgid: int) -> Iterator[list[str]]:
-    """The /proc/<pid>/stat fields after the command name (state, ppid, pgrp, ..., utime at 11,
-    stime at 12) of every process now in process group `pgid`."""
+def group_members(pgid: int) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the /proc/<pid>/stat fields after the command name: state, ppid, pgrp, ..., utime at
+    11, stime at 12) of every process now in process group `pgid`."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -164,7 +167,12 @@ def group_stats(pgid: int) -> Iterator[list[str]]:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid:
-            yield fields
+            yield int(entry.name), fields
+
+
+def group_stats(pgid: int) -> Iterator[list[str]]:
+    """The stat fields (see `group_members`) of every process now in process group `pgid`."""
+    return (fields for _, fields in group_members(pgid))
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -192,6 +200,29 @@ def group_alive(pgid: int) -> bool:
             return False
         return True
     return any(fields[0] != "Z" for fields in group_stats(pgid))
+
+
+def members_carrying(pgid: int, server_id: str) -> list[int]:
+    """The live processes of group `pgid` whose environment holds `SERVER_ID_ENV=server_id`."""
+    marker = f"{SERVER_ID_ENV}={server_id}".encode()
+    pids = []
+    for pid, fields in group_members(pgid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # exited, or not ours to read
+            continue
+        if fields[0] != "Z" and marker in environ:
+            pids.append(pid)
+    return pids
+
+
+def _send(sig: signal.Signals, pgid: int, members: list[int] | None) -> None:
+    """`sig` to the whole group `pgid` (`members` None) or to each of `members`; gone ones skipped."""
+    for kill, target in ([(os.killpg, pgid)] if members is None else [(os.kill, pid) for pid in members]):
+        try:
+            kill(target, sig)
+        except ProcessLookupError:
+            pass
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -222,6 +253,7 @@ class VllmServer:
         self.pid: int | None = None  # of the last launched server, which leads its own process group
         self._proc: subprocess.Popen | None = None
         self._owner_pid: int | None = None
+        self._server_id = uuid.uuid4().hex  # SERVER_ID_ENV of this launch's processes
 
     @property
     def url(self) -> str:
@@ -285,7 +317,8 @@ class VllmServer:
         self.log_path = log_dir / f"{self.LOG_PREFIX}-{self.port}.log"
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=self.environment(),
+                                          stderr=subprocess.STDOUT,
+                                          env={**self.environment(), SERVER_ID_ENV: self._server_id},
                                           start_new_session=True)
         self.pid = self._proc.pid
         self._owner_pid = os.getpid()
@@ -359,16 +392,26 @@ class VllmServer:
                 f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
 
     def _signal_group(self, sig: signal.Signals, wait_s: float) -> bool:
-        """Send `sig` to the server's process group; True once no live process is left in it."""
+        """Send `sig` to the server's process group; True once no live process of it is left.
+
+        The group's id is the leader's pid. Until we reap the leader that pid cannot be reused, so
+        the group is signalled as a whole; once it is reaped and the group's last process gone, the
+        kernel may give the id to a new process — with this machine's pid_max of 32768 and many
+        short-lived processes, another server graft launched, leading its own group (seen: servers
+        of unrelated runs stopped by SIGTERM while the test suite ran). Then only processes whose
+        environment carries this launch's `SERVER_ID_ENV` token are signalled, one by one.
+        """
         pgid = self._proc.pid  # start_new_session=True: the server leads its own group
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return True
         deadline = time.monotonic() + wait_s
         while True:
-            self._proc.poll()  # reap the leader, or it stays a zombie member of the group
-            if not group_alive(pgid):
+            leader_reaped = self._proc.poll() is not None  # reap it, or it stays a zombie of the group
+            members = members_carrying(pgid, self._server_id) if leader_reaped else None
+            if leader_reaped and not members:
+                return True
+            if sig is not None:
+                _send(sig, pgid, members)
+                sig = None
+            elif not leader_reaped and not group_alive(pgid):
                 return True
             if time.monotonic() > deadline:
                 return False

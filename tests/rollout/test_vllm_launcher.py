@@ -332,3 +332,29 @@ def test_seeded_requests_beyond_one_step_token_budget_do_not_kill_the_engine(vll
     everything, health = asyncio.run(run())
     assert len(everything) == 160 and all(len(c) == 2 and c[0].token_ids for c in everything)
     assert health.healthy
+
+
+def test_a_late_stop_never_signals_a_group_that_took_over_the_dead_servers_id(stand_in):
+    """The server died on its own and was reaped; its group id (the leader's pid) then went to a
+    new process leading its own group, as pid reuse does. stop() must leave that group alone."""
+    server = VllmServer(stand_in()).start()
+    os.killpg(_group_of_two(server), signal.SIGKILL)
+    assert server.exit_code(wait_s=10) == -signal.SIGKILL  # the leader reaped: its pid is free again
+    impostor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        server._proc.pid = impostor.pid  # what the kernel's reuse of the id looks like from here
+        server.stop()
+        assert impostor.poll() is None, "stop() signalled a process group that is not the server's"
+    finally:
+        impostor.kill()
+        impostor.wait()
+
+
+def test_stop_after_the_leader_died_still_ends_the_servers_other_processes(stand_in):
+    server = VllmServer(stand_in()).start()
+    pgid = _group_of_two(server)
+    os.kill(server.pid, signal.SIGKILL)  # the API server dies; its engine core lives on
+    assert server.exit_code(wait_s=10) == -signal.SIGKILL
+    assert len(live_group_members(pgid)) == 1
+    server.stop()
+    assert live_group_members(pgid) == []
