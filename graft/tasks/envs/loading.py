@@ -47,7 +47,7 @@ def _check_shape(factory: Any, name: str, key: str) -> None:
     checked without making one, a factory function by calling it once."""
     problem = None
     if not callable(factory):
-        problem = f"is a {type(factory).__name__}, not a class"
+        problem = f"is not a class but a value of type {type(factory).__name__}"
     elif not _binds(factory):
         problem = f"cannot be called with no arguments (signature {_signature(factory)})"
     else:
