@@ -141,3 +141,17 @@ def test_staleness_one_never_unloads_a_version_an_episode_is_using(vllm_server, 
     assert checked > 0
     loaded = [sum(adapter_version("graft", n) is not None for n in names) for _, _, names in poller.polls]
     assert max(loaded) <= 3  # keep_versions (auto = max_staleness + 2); the listing may show up to max_loras
+
+
+def test_graft_eval_of_an_environment_reports_its_greedy_episodes_mean_reward(base_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_env.py").write_text(USER_ENV)
+    common = ["-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "-o", "train.eval_examples=3",
+              "-o", "rollout.max_new_tokens=3", "-o", "data.task=arithmetic", "-o", "data.env=my_env.py:Hotter",
+              "--run-dir", str(tmp_path / "run")]
+    assert main(["eval", *common, "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["eval", *common, "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert a["examples"] == 3 and a["accuracy"] == b["accuracy"]  # greedy episodes: the same every time
+    assert main(["config", "-o", "data.env=my_env.py:Broken"]) == 2  # graft config resolves the environment too
