@@ -318,9 +318,11 @@ class GraftConfig(Section):
 
     @model_validator(mode="after")
     def _resolve_loss_norm_tokens(self) -> "GraftConfig":
-        """Dr. GRPO's constant length defaults to the longest completion a rollout can give."""
+        """Dr. GRPO's constant length defaults to the most tokens a rollout's model can sample: one
+        completion, or every turn of a multi-turn episode (data.env)."""
         if self.train.loss_agg == "seq-mean-token-sum-norm" and self.train.loss_norm_tokens is None:
-            self.train.loss_norm_tokens = self.rollout.max_new_tokens
+            turns = self.data.max_turns if self.data.env is not None else 1
+            self.train.loss_norm_tokens = self.rollout.max_new_tokens * turns
         return self
 
     @model_validator(mode="after")
