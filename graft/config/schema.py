@@ -329,6 +329,10 @@ class GraftConfig(Section):
     def _check_overlong_buffer(self) -> "GraftConfig":
         """The soft overlong punishment ramps over the last tokens a completion may have."""
         buffer = self.train.overlong_buffer_tokens
+        if buffer is not None and self.data.env is not None:
+            raise ConfigError("train.overlong_buffer_tokens shapes single completions by length; an episode's length "
+                              "is bounded by data.max_episode_tokens (and data.truncated)",
+                              keys=("train.overlong_buffer_tokens", "data.env"))
         if buffer is not None and buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"train.overlong_buffer_tokens ({buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the punishment ramps over the last tokens a "

@@ -110,6 +110,7 @@ def test_an_environment_scores_alone_and_its_limits_are_checked():
     config = load_config(None, ["data.task=guessing", "data.env=guessing", "data.max_turns=6"])
     assert config.data.reward is None and config.data.max_turns == 6 and config.data.truncated == "score"
     for override, error in [("data.reward=math", "set data.reward to null"), ("data.max_turns=0", "data.max_turns"),
-                            ("data.truncated=drop", "data.truncated"), ("data.env=a b", "neither a built-in")]:
+                            ("data.truncated=drop", "data.truncated"), ("data.env=a b", "neither a built-in"),
+                            ("train.overlong_buffer_tokens=2", "data.max_episode_tokens")]:
         with pytest.raises(ValueError, match=error):
             load_config(None, ["data.task=guessing", "data.env=guessing", override])
