@@ -42,7 +42,7 @@ def _episodes(n_prompts: int, group: int, seed: int) -> RolloutBatch:
                         truncated=(False,) * len(sequences), loss_masks=masks)
 
 
-def _update(model_dir, batch, overrides, spy=None, monkeypatch=None):
+def _update(model_dir, batch, overrides):
     config = load_config(None, ["train.lr=1e-2", *overrides])
     model = trained_like_peft_model(model_dir)
     optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=config.train.lr)
@@ -87,7 +87,8 @@ def test_values_at_environment_tokens_change_nothing(base_dir):
     """The engine gives no log-prob at an environment token: whatever placeholder sits there (even a
     huge one, which TIS would weigh without the mask) leaves the update and its metrics as they were."""
     batch = _episodes(3, 3, seed=1)
-    wild = [[lp if m else 1e4 for lp, m in zip(lps, mask)] for lps, mask in zip(batch.engine_logprobs, batch.loss_masks)]
+    wild = [[lp if m else 1e4 for lp, m in zip(lps, mask)]
+            for lps, mask in zip(batch.engine_logprobs, batch.loss_masks)]
     overrides = [*_ALL_TERMS, "train.mini_batches=2"]
     metrics, weights = _update(base_dir, batch, overrides)
     metrics_wild, weights_wild = _update(base_dir, replace(batch, engine_logprobs=wild), overrides)
