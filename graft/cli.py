@@ -39,11 +39,15 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_config(args: argparse.Namespace) -> None:
     from graft.config import config_to_yaml, load_config, save_config
+    from graft.tasks.envs import resolve_env
     from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 
     config = load_config(args.config, args.override)
-    load_scorer(config.data)  # a reward that does not resolve is a config error too
-    load_eval_scorer(config.data)
+    if config.data.env is not None:  # an environment or a reward that does not resolve is a config error too
+        resolve_env(config.data.env)
+    else:
+        load_scorer(config.data)
+        load_eval_scorer(config.data)
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")

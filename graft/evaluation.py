@@ -15,7 +15,9 @@ from graft.config import GraftConfig
 from graft.lora.adapter_io import read_adapter_config, read_adapter_tensors
 from graft.models.loading import load_tokenizer
 from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
+from graft.tasks.envs import resolve_env
 from graft.tasks.examples import Example, load_task_data, render_prompt_ids
 from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
@@ -46,7 +48,8 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)  # a clear error before any server starts
         read_adapter_tensors(adapter_dir)  # NaN/inf weights never reach a (possibly shared) server
-    scorer = load_eval_scorer(config.data)
+    env = resolve_env(config.data.env) if config.data.env is not None else None
+    scorer = None if env else load_eval_scorer(config.data)
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
@@ -57,7 +60,11 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
             adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"
             await _load_replacing(engine, adapter, str(Path(adapter_dir).resolve()))
         try:
-            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
+            if env is not None:  # multi-turn: the mean reward of greedy episodes
+                accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
+                                                   config.rollout.max_new_tokens, episode_limits(config))
+            else:
+                accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
         finally:
             if adapter is not None:
                 await engine.unload_adapter(adapter)
@@ -72,3 +79,13 @@ async def _load_replacing(engine: RolloutEngine, name: str, path: str) -> None:
     except AdapterAlreadyLoadedError:
         await engine.unload_adapter(name)
         await engine.load_adapter(name, path)
+
+
+def episode_limits(config: GraftConfig) -> EpisodeLimits:
+    """`data.max_turns`, and `data.max_episode_tokens` (null: a launched server's `rollout.max_model_len`,
+    which no request may pass, else none)."""
+    data, rollout = config.data, config.rollout
+    max_tokens = data.max_episode_tokens
+    if max_tokens is None and rollout.engine == "vllm" and not rollout.urls:
+        max_tokens = rollout.max_model_len
+    return EpisodeLimits(max_turns=data.max_turns, max_tokens=max_tokens)

@@ -89,6 +89,22 @@ class DataConfig(Section):
         None, description="The reward that scores held-out greedy answers (its mean is reported as accuracy), in "
         "any form data.reward takes, e.g. exact_numeric or math when training on a shaped sum; null = the "
         "training reward (data.reward, or the weighted sum of data.rewards).")
+    env: str | None = Field(
+        None, description="Multi-turn episodes: the environment the model talks to, a built-in name (calculator, "
+        "guessing) or 'package.module:Class' / 'path/to/file.py:Class' (relative to the current directory), a class "
+        "whose objects have reset(example) -> chat messages and step(model_text) -> StepResult(messages, reward, "
+        "done), sync or async. The episode's reward is the sum of its steps' rewards, so data.reward is not used; "
+        "null = single-turn completions scored by data.reward.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of an episode (data.env); an episode still "
+                           "running after them is cut and marked truncated.")
+    max_episode_tokens: int | None = Field(
+        None, ge=2, description="Most tokens of an episode (data.env), prompt, model and environment turns "
+        "together; each model turn gets min(rollout.max_new_tokens, what is left); an episode that reaches it is "
+        "cut and marked truncated. null = rollout.max_model_len (a launched server's limit), else no limit.")
+    truncated: Literal["score", "mask"] = Field(
+        "score", description="An episode cut by data.max_turns or data.max_episode_tokens: 'score' trains on it with "
+        "the reward it earned so far; 'mask' leaves it out of the loss (its reward still counts in its group's "
+        "baseline).")
     reward_errors: Literal["raise", "zero"] = Field(
         "raise", description="A reward that raises (or returns a non-number): 'raise' stops the run with one error "
         "naming the reward and the example, with the end of its traceback; 'zero' scores that completion 0 for "
@@ -101,7 +117,7 @@ class DataConfig(Section):
         # only data.rewards means "score with these": the default data.reward steps aside.
         if isinstance(data, dict) and data.get("path") is not None and "task" not in data:
             data = {**data, "task": None}
-        if isinstance(data, dict) and data.get("rewards") and "reward" not in data:
+        if isinstance(data, dict) and (data.get("rewards") or data.get("env")) and "reward" not in data:
             data = {**data, "reward": None}
         return data
 
@@ -123,6 +139,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _exactly_one_reward_form(self) -> "DataConfig":
+        if self.env is not None:
+            return self._env_scores_alone()
         if self.reward is not None and self.rewards:
             raise ConfigError(f"data.reward ({self.reward!r}) and data.rewards are both set: keep one (data.rewards "
                               "can hold it as {name: ..., weight: 1.0})", keys=("data.reward", "data.rewards"))
@@ -135,6 +153,24 @@ class DataConfig(Section):
             raise ConfigError(f"data.rewards names {repeated} more than once: each reward is logged as "
                               "reward/<name>, so names must differ", keys=("data.rewards",))
         return self
+
+    def _env_scores_alone(self) -> "DataConfig":
+        set_ = [k for k in ("reward", "rewards", "eval_reward") if getattr(self, k)]
+        if set_:
+            raise ConfigError(f"data.env ({self.env!r}) scores its episodes itself: set data.{set_[0]} to null",
+                              keys=("data.env", *(f"data.{k}" for k in set_)))
+        return self
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, v: str | None) -> str | None:
+        if v is None or (":" not in v and _BUILT_IN_NAME.match(v)):
+            return v
+        target, _, name = v.rpartition(":")
+        if target and _FUNCTION_NAME.match(name):
+            return v
+        raise ValueError(f"{v!r} is neither a built-in environment name nor 'package.module:Class' or "
+                         "'path/to/file.py:Class'")
 
     def reward_specs(self) -> list[RewardSpec]:
         """The reward terms of the run: data.rewards, or data.reward with weight 1."""

@@ -38,7 +38,7 @@ class ObjectiveFields(Section):
         "(TRL use_bias_correction_kl); matters with several optimizer steps per batch. Needs kl_coef > 0.")
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="The constant length of loss_agg=seq-mean-token-sum-norm (Dr. GRPO divides each "
-        "completion's token sum by it); null = rollout.max_new_tokens.")
+        "completion's token sum by it); null = rollout.max_new_tokens (times data.max_turns with data.env).")
     tis_mode: Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = Field(
         "token-truncate", description="How tis_cap corrects engine samples: the ratio exp(trainer - engine) of a "
         "token, or of a sequence (geometric mean over its tokens), is truncated at the cap or, over the cap, "

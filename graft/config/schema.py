@@ -316,15 +316,21 @@ class GraftConfig(Section):
 
     @model_validator(mode="after")
     def _resolve_loss_norm_tokens(self) -> "GraftConfig":
-        """Dr. GRPO's constant length defaults to the longest completion a rollout can give."""
+        """Dr. GRPO's constant length defaults to the most tokens a rollout's model can sample: one
+        completion, or every turn of a multi-turn episode (data.env)."""
         if self.train.loss_agg == "seq-mean-token-sum-norm" and self.train.loss_norm_tokens is None:
-            self.train.loss_norm_tokens = self.rollout.max_new_tokens
+            turns = self.data.max_turns if self.data.env is not None else 1
+            self.train.loss_norm_tokens = self.rollout.max_new_tokens * turns
         return self
 
     @model_validator(mode="after")
     def _check_overlong_buffer(self) -> "GraftConfig":
         """The soft overlong punishment ramps over the last tokens a completion may have."""
         buffer = self.train.overlong_buffer_tokens
+        if buffer is not None and self.data.env is not None:
+            raise ConfigError("train.overlong_buffer_tokens shapes single completions by length; an episode's length "
+                              "is bounded by data.max_episode_tokens (and data.truncated)",
+                              keys=("train.overlong_buffer_tokens", "data.env"))
         if buffer is not None and buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"train.overlong_buffer_tokens ({buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the punishment ramps over the last tokens a "

@@ -4,7 +4,7 @@ Importing the package registers the built-in tasks, so `TASKS` is complete befor
 name up.
 """
 
-from graft.tasks import arithmetic  # noqa: F401  (registers TASKS["arithmetic"])
+from graft.tasks import arithmetic, envs  # noqa: F401  (register TASKS["arithmetic"], the environments' tasks)
 from graft.tasks.examples import TASKS, Example, load_examples, load_task_data, prompt_messages, render_prompt_ids
 from graft.tasks.reward_loading import load_eval_scorer, load_scorer, resolve_reward
 from graft.tasks.rewards import REWARDS, RewardFn, get_reward

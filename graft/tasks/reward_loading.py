@@ -80,8 +80,7 @@ def resolve_reward(name: str, key: str = "data.reward") -> tuple[Callable[..., A
                              "your own is 'package.module:function' or 'path/to/file.py:function'")
         return REWARDS[name], False
     target, _, attr = name.rpartition(":")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(Path(target), key) if is_file else _import_module(target, key)
+    module = import_target(target, key)
     fn = getattr(module, attr, None)
     if fn is None:
         functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
@@ -89,6 +88,17 @@ def resolve_reward(name: str, key: str = "data.reward") -> tuple[Callable[..., A
     if not callable(fn):
         raise ValueError(f"{key}: {name} is a {type(fn).__name__}, not a function")
     return fn, _batched(fn, name, key)
+
+
+def import_target(target: str, key: str) -> ModuleType:
+    """The module of a ``target:name`` reference: ``package.module`` imported, or ``path/to/file.py``
+    run once as a module of its own (see `resolve_reward`); user environments load the same way.
+
+    Raises:
+        ValueError: Naming `key`: the module or file does not import, or running it failed.
+    """
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    return _load_file(Path(target), key) if is_file else _import_module(target, key)
 
 
 def _import_module(target: str, key: str) -> ModuleType:
@@ -108,7 +118,7 @@ def _load_file(path: Path, key: str) -> ModuleType:
     if resolved in _FILE_MODULES:
         return _FILE_MODULES[resolved]
     if not resolved.is_file():
-        raise ValueError(f"{key}: reward file {path} does not exist (relative paths start at the current "
+        raise ValueError(f"{key}: file {path} does not exist (relative paths start at the current "
                          f"directory, {Path.cwd()})")
     # As for a script, modules beside the file are importable (appended: installed packages still win).
     if str(resolved.parent) not in sys.path:

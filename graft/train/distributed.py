@@ -280,19 +280,21 @@ def _replication_weight(grad: torch.Tensor, ctx: Dist) -> float:
 
 
 def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
-    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards, truncation)."""
+    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards, truncation,
+    and the loss masks of multi-turn episodes)."""
     if not ctx.active:
         assert batch is not None
         return batch
     if ctx.is_main:
         assert batch is not None
         lengths = [n for prompt, completion in batch.sequences for n in (len(prompt), len(completion))]
-        header = torch.tensor([len(batch.sequences), *batch.rewards_PG.shape, batch.version, sum(lengths)],
+        flags = (batch.loss_masks is not None) + 2 * batch.mask_truncated
+        header = torch.tensor([len(batch.sequences), *batch.rewards_PG.shape, batch.version, sum(lengths), flags],
                               dtype=torch.long)
     else:
-        header = torch.zeros(5, dtype=torch.long)
+        header = torch.zeros(6, dtype=torch.long)
     header = _broadcast(header)
-    n_seq, n_prompts, group, version, n_tokens = header.tolist()
+    n_seq, n_prompts, group, version, n_tokens, flags = header.tolist()
     if ctx.is_main:
         lengths_t = torch.tensor(lengths, dtype=torch.long)
         ids_t = torch.tensor([t for p, c in batch.sequences for t in (*p, *c)], dtype=torch.long)
@@ -309,6 +311,9 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
     if not ctx.is_main:
         logprobs_t = torch.zeros(n_completion, dtype=torch.float64)
     logprobs_t = _broadcast(logprobs_t)
+    if flags & 1:
+        masks_t = _broadcast(torch.tensor([m for mask in batch.loss_masks for m in mask], dtype=torch.long)
+                             if ctx.is_main else torch.zeros(n_completion, dtype=torch.long))
     if ctx.is_main:
         return batch
     sequences, logprobs, at, at_lp = [], [], 0, 0
@@ -316,8 +321,15 @@ def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
         sequences.append((ids_t[at:at + p_len].tolist(), ids_t[at + p_len:at + p_len + c_len].tolist()))
         logprobs.append(logprobs_t[at_lp:at_lp + c_len].tolist())
         at, at_lp = at + p_len + c_len, at_lp + c_len
+    masks = None
+    if flags & 1:
+        flat, masks = [bool(m) for m in masks_t.tolist()], []
+        for _, completion in sequences:
+            masks.append(flat[:len(completion)])
+            flat = flat[len(completion):]
     return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0,
-                        truncated=tuple(bool(t) for t in truncated_t.tolist()))
+                        truncated=tuple(bool(t) for t in truncated_t.tolist()), loss_masks=masks,
+                        mask_truncated=bool(flags & 2))
 
 
 def _broadcast(tensor: torch.Tensor) -> torch.Tensor:

@@ -89,5 +89,9 @@ def select_groups(batches: list[RolloutBatch], picks: list[tuple[int, int]]) -> 
         logprobs += [batches[b].engine_logprobs[r] for r in rows]
         truncated += [bool(batches[b].truncated) and batches[b].truncated[r] for r in rows]
         rewards_PG.append(batches[b].rewards_PG[p])
+    multi_turn = batches[0].loss_masks is not None  # every round is built alike
+    masks = [batches[b].loss_masks[r] for b, p in picks for r in range(p * group, (p + 1) * group)] if multi_turn \
+        else None
     return RolloutBatch(sequences, logprobs, torch.stack(rewards_PG), batches[0].version,
-                        sum(b.seconds for b in batches), tuple(truncated), dict(batches[0].reward_metrics))
+                        sum(b.seconds for b in batches), tuple(truncated), dict(batches[0].reward_metrics),
+                        loss_masks=masks, mask_truncated=batches[0].mask_truncated)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from graft.config import TrainConfig
@@ -105,6 +106,8 @@ class MicroBatch:
         position_ids_xT: Restarting per sequence when packed; None when padded (HF's arange).
         completion_mask_xT: True where the next token is a completion token.
         mask_BC: True at each sequence's completion tokens in the `[B, C]` result rows.
+        loss_mask_BC: True at the completion tokens the loss counts: `mask_BC` itself, less environment
+            and template tokens in multi-turn episodes (`RolloutBatch.loss_masks`).
     """
 
     rows: list[int]
@@ -113,6 +116,7 @@ class MicroBatch:
     position_ids_xT: Tensor | None
     completion_mask_xT: Tensor
     mask_BC: Tensor
+    loss_mask_BC: Tensor
 
     @property
     def completion_lens(self) -> list[int]:
@@ -129,10 +133,19 @@ def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int,
         rows = [rows[i] for i in p.order]
         mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
         return MicroBatch(rows, p.input_ids_RL.to(device), None, p.position_ids_RL.to(device),
-                          p.completion_mask_RL.to(device), mask_BC)
+                          p.completion_mask_RL.to(device), mask_BC, _loss_mask(batch, rows, mask_BC))
     mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
     input_ids_BT, attention_mask_BT, mask_BT = (t.to(device) for t in pad(sequences, "right", pad_id))
-    return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC)
+    return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC, _loss_mask(batch, rows, mask_BC))
+
+
+def _loss_mask(batch: RolloutBatch, rows: list[int], mask_BC: Tensor) -> Tensor:
+    """`mask_BC` where every completion token counts (single turn: the same tensor), else True only at
+    the model's tokens of each row (`RolloutBatch.loss_masks`)."""
+    if batch.loss_masks is None:
+        return mask_BC
+    flat = torch.tensor([m for r in rows for m in batch.loss_masks[r]], dtype=torch.bool, device=mask_BC.device)
+    return torch.zeros_like(mask_BC).masked_scatter(mask_BC, flat)
 
 
 def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy: bool = False

@@ -34,10 +34,19 @@ class RolloutBatch:
     truncated: tuple[bool, ...] = ()  # per sequence: cut at max_new_tokens (no end of sequence); () = none
     # reward/<name> means, reward_errors (graft.tasks.scoring), the sampling filters' and shaping's metrics
     reward_metrics: dict = field(default_factory=dict)
+    # Multi-turn episodes (graft.train.episode_batch): per sequence, per completion token, True where the
+    # model sampled it (the loss, KL, entropy and TIS count those only), False at environment and template
+    # tokens (their engine log-probs are placeholders). None = every completion token is the model's.
+    loss_masks: list[list[bool]] | None = None
+    mask_truncated: bool = False  # data.truncated: mask (truncated sequences stay out of the loss)
 
     @property
     def tokens(self) -> int:
         return sum(len(c) for _, c in self.sequences)
+
+    def loss_tokens(self, row: int) -> int:
+        """Completion tokens of `row` the loss counts (the model's own)."""
+        return len(self.sequences[row][1]) if self.loss_masks is None else sum(self.loss_masks[row])
 
 
 def step_examples(train_set: list[Example], step: int, batch_prompts: int, seed: int) -> list[Example]:

@@ -32,14 +32,17 @@ from graft.evaluation import evaluate
 from graft.lora.attach import count_parameters
 from graft.models.loading import load_tokenizer
 from graft.rollout.engine import RolloutEngine
+from graft.rollout.episodes import evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
+from graft.tasks.envs import EnvFactory, resolve_env
 from graft.tasks.examples import Example, load_task_data
 from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 from graft.tasks.scoring import Scorer
 from graft.train.allocator import return_freed_memory_to_the_os
 from graft.train.distributed import init_distributed, shutdown_distributed
 from graft.train.dynamic_sampling import round_inputs, sample_informative_groups
+from graft.train.episode_batch import build_episode_batch, episode_limits, episode_sampling_params
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
 from graft.train.rollout_batch import (
@@ -61,8 +64,9 @@ class _Task:
     train_set: list[Example]
     eval_set: list[Example]
     tokenizer: object
-    scorer: Scorer
-    eval_scorer: Scorer
+    scorer: Scorer | None
+    eval_scorer: Scorer | None
+    env: EnvFactory | None = None  # data.env: multi-turn episodes scored by the environment (graft.train.episode_batch)
 
 
 class _Leader:
@@ -127,10 +131,18 @@ class _Leader:
         """The batch of `step`, sampled from policy `version` (the producer picks the version): with
         `train.filter_groups` of groups with a learning signal (refilled), rewards shaped per `train`."""
         train, params = self.config.train, step_sampling_params(self.config, step)
+        if self.task.env is not None:
+            params = episode_sampling_params(self.config, step)
 
         async def sample_round(round_: int) -> RolloutBatch:
             examples, round_params = round_inputs(self.task.train_set, step, round_, train.batch_prompts, train.seed,
                                                   params)
+            if self.task.env is not None:
+                return await build_episode_batch(
+                    self.engine, adapter=self.sync.request_adapter(version), version=version,
+                    inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
+                    env_factory=self.task.env, limits=episode_limits(self.config),
+                    mask_truncated=self.config.data.truncated == "mask")
             return await build_rollout_batch(
                 self.engine, adapter=self.sync.request_adapter(version), version=version,
                 inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
@@ -142,6 +154,10 @@ class _Leader:
                                      train.overlong_penalty)
 
     async def _evaluate(self) -> float:
+        if self.task.env is not None:
+            return await evaluate_episodes(self.engine, self.sync.adapter, self.task.env, self.task.eval_set,
+                                           self.task.tokenizer, self.config.rollout.max_new_tokens,
+                                           episode_limits(self.config))
         return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
                               self.config.rollout.max_new_tokens, self.task.eval_scorer)
 
@@ -179,11 +195,12 @@ def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
 
 
 def _load_task(config: GraftConfig) -> _Task:
-    # User reward code imports (or fails) before the data is read.
-    scorer, eval_scorer = load_scorer(config.data), load_eval_scorer(config.data)
+    # User reward (or environment) code imports (or fails) before the data is read.
+    env = resolve_env(config.data.env) if config.data.env is not None else None
+    scorer, eval_scorer = (None, None) if env else (load_scorer(config.data), load_eval_scorer(config.data))
     train_set, eval_set = load_task_data(config.data)
     return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer,
-                 eval_scorer)
+                 eval_scorer, env)
 
 
 async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = False) -> dict:

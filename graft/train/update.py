@@ -65,6 +65,7 @@ class _LogprobCache:
     def __init__(self, model: nn.Module, batch: RolloutBatch, plans_by_rank: list[list[Micros]],
                  train: TrainConfig, pad_id: int, rank: int, old_needed: bool) -> None:
         self.ref, self.engine, self.old = {}, {}, {}
+        self.counted = {}  # multi-turn rows: True at the model's own tokens (RolloutBatch.loss_masks)
         self.gap = 0.0
         device = next(model.parameters()).device
         # Every row a rank's plan touches (stand-ins too), all at once in micro-batches, as many as
@@ -74,6 +75,8 @@ class _LogprobCache:
         parts = [rows for rows, _ in equalized(rows_by_rank, rows_by_rank[0][0], batch, train)[rank]]
         for r in {r for rows in parts for r in rows}:
             self.engine[r] = torch.tensor(batch.engine_logprobs[r], dtype=torch.float32, device=device)
+            if batch.loss_masks is not None:
+                self.counted[r] = torch.tensor(batch.loss_masks[r], dtype=torch.bool, device=device)
         ref_needed = bool(train.kl_coef)
         if not (ref_needed or old_needed):
             return
@@ -94,9 +97,17 @@ class _LogprobCache:
             which[r] = values_BC[b, :n]
 
     def note_gap(self, row: int, policy_logprobs: torch.Tensor) -> None:
-        """Track the largest |engine - trainer| log-prob gap, trainer log-probs before any update."""
-        if len(self.engine[row]):
-            self.gap = max(self.gap, (self.engine[row] - policy_logprobs).abs().max().item())
+        """Track the largest |engine - trainer| log-prob gap, trainer log-probs before any update (at the
+        model's own tokens: the engine gives none for an environment's)."""
+        gap_T = (self.engine[row] - policy_logprobs).abs()
+        if row in self.counted:
+            gap_T = gap_T[self.counted[row]]
+        if len(gap_T):
+            self.gap = max(self.gap, gap_T.max().item())
+
+    def counted_mask(self, row: int) -> torch.Tensor:
+        """True at the completion tokens of `row` the loss counts."""
+        return self.counted[row] if row in self.counted else torch.ones_like(self.engine[row], dtype=torch.bool)
 
     def rows(self, which: dict, rows: list[int], mask_BC: torch.Tensor) -> torch.Tensor:
         """`rows`' cached values as `[B, C]` rows (the layout of `micro_batches.scored`'s results)."""
@@ -117,8 +128,9 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     """
     start = time.perf_counter()
     n_prompts, group = batch.rewards_PG.shape
-    lengths = [len(completion) for _, completion in batch.sequences]
-    left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if train.overlong_filter else frozenset()
+    lengths = [batch.loss_tokens(r) for r in range(len(batch.sequences))]  # the tokens each row's loss counts
+    leave_out_truncated = train.overlong_filter or batch.mask_truncated
+    left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if leave_out_truncated else frozenset()
     minis = _mini_batches(n_prompts, group, train.mini_batches, left_out)
     if not minis:  # every completion left out of the loss: nothing to learn from this batch
         return {"loss": math.nan, **dict.fromkeys(_TOKEN_STATS, None), "grad_norm": math.nan, "optimizer_steps": 0,
@@ -201,8 +213,7 @@ def _rewards_with_kl(rewards_PG: torch.Tensor, cache: _LogprobCache, whole_plan:
     over ranks. Also `reward_kl_penalty`, the mean penalty."""
     kl_R = [0.0] * rewards_PG.numel()
     for r in {r for micros in whole_plan for rows, weight in micros if weight for r in rows}:
-        mask_T = torch.ones_like(cache.old[r], dtype=torch.bool)
-        kl_R[r] = sequence_kl(cache.old[r], cache.ref[r], mask_T, train.kl_estimator).item()
+        kl_R[r] = sequence_kl(cache.old[r], cache.ref[r], cache.counted_mask(r), train.kl_estimator).item()
     penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_R), dtype=rewards_PG.dtype).view_as(rewards_PG)
     return rewards_PG - penalty_PG, {"reward_kl_penalty": penalty_PG.mean().item()}
 
@@ -213,6 +224,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
     """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
     micro = lay_out(model, batch, rows, pad_id, train.pack_sequences)
     rows, mask_BC = micro.rows, micro.mask_BC  # in layout order: the order of the [B, C] results
+    loss_mask_BC = micro.loss_mask_BC  # mask_BC less environment tokens: what the loss and its stats count
     logprobs_BC, entropy_BC = scored(model, micro, train, with_entropy=True)
     if single_step:
         old_BC = logprobs_BC.detach()
@@ -221,13 +233,13 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
     else:
         old_BC = cache.rows(cache.old, rows, mask_BC)
     ref_BC = cache.rows(cache.ref, rows, mask_BC) if train.kl_coef else None
-    tis_BC, mismatch = mismatch_weights(old_BC, cache.rows(cache.engine, rows, mask_BC), mask_BC, train.tis_mode,
-                                        train.tis_cap)
+    tis_BC, mismatch = mismatch_weights(old_BC, cache.rows(cache.engine, rows, mask_BC), loss_mask_BC,
+                                        train.tis_mode, train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
     entropy_BC = entropy_BC if train.entropy_coef else entropy_BC.detach()
     # With the KL in the reward the loss has no KL term; the reference log-probs still give the KL metric.
     kl_coef = train.kl_coef if train.kl_in == "loss" else 0.0
-    loss, stats = grpo_loss(logprobs_BC, old_BC, ref_BC, advantages[rows], mask_BC,
+    loss, stats = grpo_loss(logprobs_BC, old_BC, ref_BC, advantages[rows], loss_mask_BC,
                             clip_eps=train.clip_eps, kl_coef=kl_coef, entropy_BT=entropy_BC,
                             entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BC,
                             divisor=divisor, options=LossOptions.from_config(train))

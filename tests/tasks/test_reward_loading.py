@@ -96,7 +96,7 @@ def test_a_module_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, problem", [
-    ("rewards/none.py:shout", r"reward file rewards/none.py does not exist \(relative paths start at the current "
+    ("rewards/none.py:shout", r"file rewards/none.py does not exist \(relative paths start at the current "
                               r"directory, /"),
     ("no_such_pkg.mod:fn", r"cannot import 'no_such_pkg.mod' \(No module named 'no_such_pkg'\); is it installed "
                            r"or on PYTHONPATH\?"),
