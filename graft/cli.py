@@ -331,7 +331,8 @@ def _add_quickstart_command(sub) -> None:
                        description="Build (once, cached) a small base model by short supervised training on "
                                    "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
                                    "and report held-out accuracy before and after. Writes RUN_DIR/quickstart.json "
-                                   "and RUN_DIR/reward.png. About 7-10 minutes on 2 CPU cores.")
+                                   "and RUN_DIR/reward.png. About 7-8 minutes on 2 CPU cores (plus 1-5 to build "
+                                   "the base).")
     p.add_argument("--run-dir", default="runs/quickstart", help="run directory (default runs/quickstart)")
     p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: configs/quickstart.yaml's)")

@@ -26,9 +26,9 @@ QUICKSTART_SETTINGS = [
     "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
     "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=1",
     "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.steps=300", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
+    "train.steps=100", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
     "train.tis_cap=2.0", "train.activation_checkpointing=false",
-    "train.eval_every=50", "train.eval_examples=200", "train.checkpoint_every=25",
+    "train.eval_every=25", "train.eval_examples=200", "train.checkpoint_every=25",
     "data.task=arithmetic", "data.reward=exact_numeric",
 ]
 
@@ -44,7 +44,8 @@ def cached_base_model(seed: int, cache_dir: Path, console: Console) -> tuple[Pat
     path = cache_dir / f"quickstart-base-{key}"
     if (path / "sft.json").is_file():
         return path, False
-    console.print(f"building the base model (supervised warm-up on arithmetic, ~1 min; cached at {path})")
+    console.print(f"building the base model (supervised warm-up on arithmetic until half its answers are right, "
+                  f"1-5 min; cached at {path})")
     cache_dir.mkdir(parents=True, exist_ok=True)
     sft_base_model(path, **args)
     return path, True
