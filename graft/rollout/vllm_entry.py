@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -52,15 +53,36 @@ def _shorter_busy_wait() -> None:
 _shorter_busy_wait()
 
 
+# Run outside the group: after argv[1] seconds, SIGKILL every process whose environment holds argv[2].
+_KILL_CARRIERS_LATER = """
+import os, signal, sys, time
+time.sleep(float(sys.argv[1]))
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            if sys.argv[2].encode() in environ.read().split(b"\\0"):
+                os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
 def _stop_group_when_owner_exits(owner_pid: int) -> None:
     """Poll our parent; once it is no longer `owner_pid` (it died and we were re-parented), stop
-    this process group: SIGTERM now, SIGKILL after the grace period from outside the group."""
+    this process group: SIGTERM now, SIGKILL after the grace period, from outside the group, to
+    whatever carries this launch's `SERVER_ID_ENV` token — by then the group's id may belong to
+    another group (pid reuse; see `VllmServer._signal_group`)."""
+    from graft.rollout.vllm_launcher import SERVER_ID_ENV
+
     while os.getppid() == owner_pid:
         time.sleep(OWNER_POLL_S)
-    group = os.getpgrp()
-    subprocess.Popen(["sh", "-c", f"sleep {OWNER_GONE_GRACE_S}; kill -KILL -{group} 2>/dev/null"],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
+    group, token = os.getpgrp(), os.environ.get(SERVER_ID_ENV)
+    if token:
+        command = [sys.executable, "-c", _KILL_CARRIERS_LATER, str(OWNER_GONE_GRACE_S), f"{SERVER_ID_ENV}={token}"]
+    else:  # not launched by VllmServer: the group as a whole
+        command = ["sh", "-c", f"sleep {OWNER_GONE_GRACE_S}; kill -KILL -{group} 2>/dev/null"]
+    subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != SERVER_ID_ENV})
     os.killpg(group, signal.SIGTERM)
 
 

@@ -32,3 +32,28 @@ def test_engine_is_idle_right_after_a_request_and_never_waits_for_the_recheck(vl
     time.sleep(1.0)
     # vLLM's default spins a reader for 1 s after the last request: ~1 CPU-second here.
     assert group_cpu_seconds(vllm_server.pid) - before < 0.3
+
+
+def test_the_late_kill_after_the_owner_died_hits_only_this_launchs_processes():
+    """By the time the grace period ends, the server's group id may belong to another group (pid
+    reuse): the delayed SIGKILL goes to the processes carrying the launch's token, nothing else."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from graft.rollout.vllm_entry import _KILL_CARRIERS_LATER
+    from graft.rollout.vllm_launcher import SERVER_ID_ENV
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleeper, env={**os.environ, SERVER_ID_ENV: "launch-a"})
+    theirs = subprocess.Popen(sleeper, env={**os.environ, SERVER_ID_ENV: "launch-b"}, start_new_session=True)
+    try:
+        subprocess.run([sys.executable, "-c", _KILL_CARRIERS_LATER, "0.2", f"{SERVER_ID_ENV}=launch-a"], check=True,
+                       timeout=30)
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert theirs.poll() is None
+    finally:
+        for proc in (ours, theirs):
+            proc.kill()
+            proc.wait()
