@@ -43,8 +43,9 @@ from graft.config import VLLM_LORA_RANKS
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
+from graft.rollout.process_group import group_cpu_seconds
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, group_cpu_seconds
+from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync

@@ -72,7 +72,7 @@ def _stop_group_when_owner_exits(owner_pid: int) -> None:
     this process group: SIGTERM now, SIGKILL after the grace period, from outside the group, to
     whatever carries this launch's `SERVER_ID_ENV` token — by then the group's id may belong to
     another group (pid reuse; see `VllmServer._signal_group`)."""
-    from graft.rollout.vllm_launcher import SERVER_ID_ENV
+    from graft.rollout.process_group import SERVER_ID_ENV
 
     while os.getppid() == owner_pid:
         time.sleep(OWNER_POLL_S)

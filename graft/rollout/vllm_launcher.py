@@ -25,19 +25,17 @@ import time
 import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
+from graft.rollout.process_group import SERVER_ID_ENV, group_alive, members_carrying, send_to_group
 
 DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
 SERVER_MODULE = "graft.rollout.vllm_entry"
 # The launching process's pid; the server's watchdog (graft.rollout.vllm_entry) stops the server once it is gone.
 OWNER_ENV = "GRAFT_OWNER_PID"
-# A token unique to one launch, in every process of that server: see `VllmServer._signal_group`.
-SERVER_ID_ENV = "GRAFT_SERVER_ID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 # vLLM's engine-config line ("Initializing a V1 LLM engine ... with config: ..., dtype=torch.bfloat16, ...").
@@ -149,80 +147,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-# /proc/<pid>/stat fields after the command name: utime is field 14 (index 11 here), rss (pages) 24 (21).
-_RSS_FIELD = 21
-
-
-def group_members(pgid: int) -> Iterator[tuple[int, list[str]]]:
-    """(pid, the /proc/<pid>/stat fields after the command name: state, ppid, pgrp, ..., utime at
-    11, stime at 12) of every process now in process group `pgid`."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # the process exited while we looked
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid:
-            yield int(entry.name), fields
-
-
-def group_stats(pgid: int) -> Iterator[list[str]]:
-    """The stat fields (see `group_members`) of every process now in process group `pgid`."""
-    return (fields for _, fields in group_members(pgid))
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `pgid`."""
-    total_ticks = sum(int(fields[11]) + int(fields[12]) for fields in group_stats(pgid))
-    return total_ticks / os.sysconf("SC_CLK_TCK")
-
-
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of the live processes of process group `pgid` (a server and its engine
-    processes), in bytes."""
-    return sum(int(fields[_RSS_FIELD]) for fields in group_stats(pgid)) * os.sysconf("SC_PAGE_SIZE")
-
-
-def group_alive(pgid: int) -> bool:
-    """True while a live (non-zombie) process is in process group `pgid`.
-
-    Zombies are skipped: an orphaned engine core that exited is a zombie until its new parent
-    reaps it, which a container's init may never do.
-    """
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    return any(fields[0] != "Z" for fields in group_stats(pgid))
-
-
-def members_carrying(pgid: int, server_id: str) -> list[int]:
-    """The live processes of group `pgid` whose environment holds `SERVER_ID_ENV=server_id`."""
-    marker = f"{SERVER_ID_ENV}={server_id}".encode()
-    pids = []
-    for pid, fields in group_members(pgid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # exited, or not ours to read
-            continue
-        if fields[0] != "Z" and marker in environ:
-            pids.append(pid)
-    return pids
-
-
-def _send(sig: signal.Signals, pgid: int, members: list[int] | None) -> None:
-    """`sig` to the whole group `pgid` (`members` None) or to each of `members`; gone ones skipped."""
-    for kill, target in ([(os.killpg, pgid)] if members is None else [(os.kill, pid) for pid in members]):
-        try:
-            kill(target, sig)
-        except ProcessLookupError:
-            pass
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -409,7 +333,7 @@ class VllmServer:
             if leader_reaped and not members:
                 return True
             if sig is not None:
-                _send(sig, pgid, members)
+                send_to_group(sig, pgid, members)
                 sig = None
             elif not leader_reaped and not group_alive(pgid):
                 return True

@@ -4,7 +4,7 @@ request, never hold more than max_loras adapters, and leave the server clean."""
 import pytest
 
 from graft.bench.soak import run_soak_bench
-from graft.rollout.vllm_launcher import group_rss_bytes
+from graft.rollout.process_group import group_rss_bytes
 
 
 def test_group_rss_counts_this_process_group():

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.process_group import group_cpu_seconds
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import group_cpu_seconds
 
 
 async def _timed_requests(url: str, n: int) -> list[float]:
@@ -42,8 +42,8 @@ def test_the_late_kill_after_the_owner_died_hits_only_this_launchs_processes():
     import subprocess
     import sys
 
+    from graft.rollout.process_group import SERVER_ID_ENV
     from graft.rollout.vllm_entry import _KILL_CARRIERS_LATER
-    from graft.rollout.vllm_launcher import SERVER_ID_ENV
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = subprocess.Popen(sleeper, env={**os.environ, SERVER_ID_ENV: "launch-a"})
