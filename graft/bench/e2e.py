@@ -39,6 +39,7 @@ from rich.table import Table
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import load_config
 from graft.models.tiny import build_tiny_model
+from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
@@ -172,7 +173,6 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
     model and workload, interleaved A B C A B C over `repeats`, and the floor next to them."""
     from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
     from graft.quickstart.base import default_cache_dir
-    from graft.rollout.vllm_client import VllmClient
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console)
@@ -193,7 +193,7 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
             server = VllmServer(VllmServerConfig(model=str(base), dtype="float32",
                                                  max_lora_rank=max(8, LORA["rank"]), max_loras=4, log_dir=work)).start()
             try:
-                asyncio.run(_load(VllmClient, server.url, ADAPTER, adapter_dir))
+                asyncio.run(_load(server.url, ADAPTER, adapter_dir))
                 for workload in workloads:
                     measured, one_call = _one_workload(base, server.url, ADAPTER, workload, repeats, steps, warmup,
                                                        work, python, report)
@@ -207,8 +207,8 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
 
 
-async def _load(client_class, url: str, name: str, path: Path) -> None:
-    async with client_class(url) as client:
+async def _load(url: str, name: str, path: Path) -> None:
+    async with VllmClient(url) as client:
         await client.load_adapter(name, str(path))
 
 

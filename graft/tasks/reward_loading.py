@@ -79,15 +79,22 @@ def resolve_reward(name: str, key: str = "data.reward") -> tuple[Callable[..., A
             raise ValueError(f"{key}: unknown reward {name!r}; built-in rewards: {sorted(REWARDS)}; a function of "
                              "your own is 'package.module:function' or 'path/to/file.py:function'")
         return REWARDS[name], False
-    target, _, attr = name.rpartition(":")
-    module = import_target(target, key)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"{key}: {target} has no function {attr!r} (its functions: {functions})")
+    fn = import_attribute(name, key, "function", "functions", inspect.isfunction)
     if not callable(fn):
         raise ValueError(f"{key}: {name} is a {type(fn).__name__}, not a function")
     return fn, _batched(fn, name, key)
+
+
+def import_attribute(name: str, key: str, what: str, listed_as: str, is_listed: Callable[[Any], bool]) -> Any:
+    """What a ``target:attr`` reference names (`import_target`); when the module has no `attr`, an
+    error naming the `what` looked for and listing the module's public members that `is_listed`."""
+    target, _, attr = name.rpartition(":")
+    module = import_target(target, key)
+    value = getattr(module, attr, None)
+    if value is None:
+        members = sorted(n for n, v in vars(module).items() if is_listed(v) and not n.startswith("_"))
+        raise ValueError(f"{key}: {target} has no {what} {attr!r} (its {listed_as}: {members})")
+    return value
 
 
 def import_target(target: str, key: str) -> ModuleType:

@@ -9,7 +9,7 @@ import inspect
 from typing import Any
 
 from graft.tasks.envs.base import ENV_SIGNATURES, ENVS, EnvFactory
-from graft.tasks.reward_loading import import_target
+from graft.tasks.reward_loading import import_attribute
 
 _KEY = "data.env"
 
@@ -32,12 +32,7 @@ def resolve_env(name: str, key: str = _KEY) -> EnvFactory:
             raise ValueError(f"{key}: unknown environment {name!r}; built-in environments: {sorted(ENVS)}; one of "
                              "your own is 'package.module:Class' or 'path/to/file.py:Class'")
         return ENVS[name]
-    target, _, attr = name.rpartition(":")
-    module = import_target(target, key)
-    factory = getattr(module, attr, None)
-    if factory is None:
-        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
-        raise ValueError(f"{key}: {target} has no class or function {attr!r} (its classes: {classes})")
+    factory = import_attribute(name, key, "class or function", "classes", inspect.isclass)
     _check_shape(factory, name, key)
     return factory
 
