@@ -20,7 +20,7 @@ from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.verify import DeliveryError, verify_delivery
 from tests.helpers import randomize_lora, trained_like_peft_model
-from tests.sync.common import FP32_TOLERANCE, greedy, make_sync, run
+from tests.sync.common import FP32_TOLERANCE, greedy, make_sync, run, served_version
 
 LOGPROB_ATOL = 1e-3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
@@ -185,6 +185,7 @@ def test_adapter_sync_cycles_with_concurrent_generation_keep_the_window(sglang_s
                     result = await sync.sync(model, v, step=v)
                     assert result.unload_failures == 0
                     assert min(v, keep) <= result.engine_adapters_loaded <= min(min(v, keep) + 1, max_loras)
+                    await served_version(served, v)
             finally:
                 stop.set()
                 await loop

@@ -93,5 +93,16 @@ def make_sync(engine, tmp_path, *, keep: int, max_loras: int = 4, lora_name: str
     return sync, inflight, publisher
 
 
+async def served_version(served: list[int], version: int, timeout: float = 60.0) -> None:
+    """Wait until a concurrent generate loop has finished a request on `version`.
+
+    Syncing the next version only after that keeps generation running alongside every sync however
+    slow the engine's requests are (CI's SGLang once served 11 requests over 12 fast syncs).
+    """
+    async with asyncio.timeout(timeout):
+        while not served or served[-1] < version:
+            await asyncio.sleep(0.01)
+
+
 def names(versions, lora_name: str = "graft") -> set[str]:
     return {adapter_name(lora_name, v) for v in versions}

@@ -12,7 +12,7 @@ from graft.rollout.process_group import group_rss_bytes
 from graft.rollout.vllm_client import VllmClient
 from graft.sync.adapter import adapter_name, adapter_version
 from tests.helpers import randomize_lora, trained_like_peft_model
-from tests.sync.common import make_sync, run
+from tests.sync.common import make_sync, run, served_version
 
 # ---- the real vLLM server ----
 
@@ -58,6 +58,7 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
                     # window plus at most that one, and never more than max_loras.
                     assert result.unload_failures == 0
                     assert min(v, keep) <= result.engine_adapters_loaded <= min(min(v, keep) + 1, max_loras)
+                    await served_version(served, v)
                     await count_on_server(client, "after sync")
                     if v == keep:  # the window is full from here on: memory should stay flat
                         rss["window full"] = group_rss_bytes(vllm_server.pid)
