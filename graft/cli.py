@@ -160,8 +160,9 @@ def _serving_lines(args: argparse.Namespace, server) -> str:
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from graft.quickstart.run import run_quickstart
 
-    run_quickstart(Path(args.run_dir), seed=args.seed, steps=args.steps,
-                   cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+    run_dir = args.run_dir or ("runs/quickstart" if args.task == "arithmetic" else f"runs/quickstart-{args.task}")
+    run_quickstart(Path(run_dir), seed=args.seed, steps=args.steps,
+                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, task=args.task)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
@@ -333,9 +334,13 @@ def _add_quickstart_command(sub) -> None:
                                    "and report held-out accuracy before and after. Writes RUN_DIR/quickstart.json "
                                    "and RUN_DIR/reward.png. About 7-8 minutes on 2 CPU cores (plus 1-5 to build "
                                    "the base).")
-    p.add_argument("--run-dir", default="runs/quickstart", help="run directory (default runs/quickstart)")
+    p.add_argument("--task", choices=("arithmetic", "guessing"), default="arithmetic",
+                   help="arithmetic (default: one turn per sample, configs/quickstart.yaml) or guessing "
+                        "(multi-turn games with higher/lower replies, configs/guessing-quickstart.yaml)")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, or "
+                                                   "runs/quickstart-TASK for another task)")
     p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: configs/quickstart.yaml's)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the task's config's)")
     p.add_argument("--cache-dir", default=None, help="where base models are cached (default $GRAFT_CACHE or "
                                                      "~/.cache/graft)")
     p.set_defaults(func=cmd_quickstart)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from graft.config import GraftConfig, load_config
+from graft.quickstart.guessing import sft_guessing_base
 from graft.quickstart.warmup import RECIPE, sft_base_model
 
 # The supervised warm-up of the base model (see graft.quickstart.warmup for why it stops at a probed
@@ -33,26 +36,70 @@ QUICKSTART_SETTINGS = [
 ]
 
 
+# `graft quickstart --task guessing`: multi-turn games of the built-in guessing environment; the
+# base has watched games of a teacher who guesses at random among the numbers the replies allow
+# (graft.quickstart.guessing). configs/guessing-quickstart.yaml holds the same settings.
+GUESSING_SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 300, "batch": 64, "lr": 3e-3, "games": 4000}
+GUESSING_SETTINGS = [
+    "model.dtype=float32",
+    "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
+    "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
+    "rollout.max_new_tokens=4", "rollout.temperature=1.0", "rollout.max_staleness=1",
+    "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
+    "train.steps=60", "train.batch_prompts=16", "train.mini_batches=2", "train.lr=2e-3", "train.kl_coef=0.0",
+    "train.tis_cap=2.0", "train.activation_checkpointing=false",
+    "train.eval_every=20", "train.eval_examples=100", "train.checkpoint_every=10",
+    "data.task=guessing", "data.env=guessing", "data.max_turns=4", "data.max_episode_tokens=256",
+    "data.truncated=score",
+]
+
+
+@dataclass(frozen=True)
+class QuickstartTask:
+    """What `graft quickstart --task NAME` runs: how its base model is warmed up, the training
+    settings (those of the shipped `config`), and what its held-out number is."""
+
+    sft_args: dict
+    build: Callable[..., Path]  # build(out_dir, seed=..., **sft_args)
+    settings: list[str]
+    config: str
+    warmup: str  # shown while the base is built
+    held_out: str
+
+
+TASKS = {
+    "arithmetic": QuickstartTask(SFT_ARGS, sft_base_model, QUICKSTART_SETTINGS, "configs/quickstart.yaml",
+                                 "supervised warm-up on arithmetic until half its answers are right, 1-5 min",
+                                 "accuracy (greedy)"),
+    "guessing": QuickstartTask(GUESSING_SFT_ARGS, sft_guessing_base, GUESSING_SETTINGS,
+                               "configs/guessing-quickstart.yaml",
+                               "supervised warm-up on a random guesser's games, ~1 min", "reward (greedy episodes)"),
+}
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("GRAFT_CACHE", Path.home() / ".cache" / "graft"))
 
 
-def cached_base_model(seed: int, cache_dir: Path, console: Console) -> tuple[Path, bool]:
-    """The warm-up base model for `seed`, built on first use; (its directory, whether it was built now)."""
-    args = {**SFT_ARGS, "seed": seed}
-    key = hashlib.sha256(json.dumps({**args, "recipe": RECIPE}, sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_dir / f"quickstart-base-{key}"
+def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = "arithmetic") -> tuple[Path, bool]:
+    """The warm-up base model of `task` for `seed`, built on first use; (its directory, whether it was
+    built now)."""
+    spec = TASKS[task]
+    args = {**spec.sft_args, "seed": seed}
+    # The arithmetic key has no task in it: bases cached before there were several tasks stay valid.
+    keyed = {**args, "recipe": RECIPE} if task == "arithmetic" else {**args, "task": task}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir / (f"quickstart-base-{key}" if task == "arithmetic" else f"quickstart-{task}-base-{key}")
     if (path / "sft.json").is_file():
         return path, False
-    console.print(f"building the base model (supervised warm-up on arithmetic until half its answers are right, "
-                  f"1-5 min; cached at {path})")
+    console.print(f"building the base model ({spec.warmup}; cached at {path})")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    sft_base_model(path, **args)
+    spec.build(path, **args)
     return path, True
 
 
-def quickstart_config(base_dir: Path, seed: int, steps: int | None = None) -> GraftConfig:
-    overrides = [*QUICKSTART_SETTINGS, f"model.path={base_dir}", f"train.seed={seed}"]
+def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic") -> GraftConfig:
+    overrides = [*TASKS[task].settings, f"model.path={base_dir}", f"train.seed={seed}"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
     return load_config(None, overrides)

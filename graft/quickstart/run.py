@@ -21,7 +21,7 @@ from rich.table import Table
 
 from graft.atomic import atomic_write_text
 from graft.config import GraftConfig
-from graft.quickstart.base import cached_base_model, default_cache_dir, quickstart_config
+from graft.quickstart.base import TASKS, cached_base_model, default_cache_dir, quickstart_config
 from graft.rollout.engine import EngineUnavailableError
 from graft.train.checkpoint import latest_checkpoint
 from graft.train.metrics import read_jsonl
@@ -31,14 +31,16 @@ from graft.train.trainer import train
 ENGINE_RESTARTS = 2
 
 
-def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, cache_dir: Path | None = None) -> dict:
-    """Base model (cached) → vLLM → LoRA GRPO with adapter sync → accuracy before/after. Returns the
-    summary written to RUN_DIR/quickstart.json."""
+def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, cache_dir: Path | None = None,
+                   task: str = "arithmetic") -> dict:
+    """Base model (cached) → vLLM → LoRA GRPO with adapter sync → held-out accuracy (or, for a
+    multi-turn task, greedy-episode reward) before/after. Returns the summary written to
+    RUN_DIR/quickstart.json."""
     console = Console()
     start = time.perf_counter()
-    base_dir, built = cached_base_model(seed, cache_dir or default_cache_dir(), console)
+    base_dir, built = cached_base_model(seed, cache_dir or default_cache_dir(), console, task)
     sft_seconds = json.loads((base_dir / "sft.json").read_text())["train_seconds"]
-    config = quickstart_config(base_dir, seed, steps)
+    config = quickstart_config(base_dir, seed, steps, task)
     if run_dir.exists() and any(run_dir.iterdir()):
         console.print(f"[yellow]{run_dir} is not empty: its earlier run is replaced")
         _clear_run_dir(run_dir)
@@ -47,6 +49,8 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
     result = _train_resuming_after_engine_loss(config, run_dir, console)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
+        "task": task,
+        "held_out": TASKS[task].held_out,
         "accuracy_before": result["accuracy_before"],
         "accuracy_after": result["accuracy_after"],
         "seconds": time.perf_counter() - start,
@@ -97,11 +101,11 @@ def _clear_run_dir(run_dir: Path) -> None:
 
 
 def _report(console: Console, s: dict, run_dir: Path) -> None:
-    table = Table(title="graft quickstart: LoRA GRPO on vLLM")
+    table = Table(title=f"graft quickstart ({s['task']}): LoRA GRPO on vLLM")
     table.add_column("measured")
     table.add_column("value", justify="right")
-    table.add_row("held-out accuracy before (greedy)", f"{s['accuracy_before']:.1%}")
-    table.add_row("held-out accuracy after", f"{s['accuracy_after']:.1%}")
+    table.add_row(f"held-out {s['held_out']} before", f"{s['accuracy_before']:.1%}")
+    table.add_row(f"held-out {s['held_out']} after", f"{s['accuracy_after']:.1%}")
     table.add_row("change", f"{(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} points")
     table.add_row("train reward, first -> last 10 steps",
                   f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")

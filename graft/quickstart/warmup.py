@@ -16,6 +16,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,29 +97,49 @@ def train_sft(
     training examples greedily (appending ``(step, accuracy)`` to ``probe_accuracy`` when given), and
     training stops once that accuracy reaches the target.
     """
-    rng = random.Random(seed)
     seqs = [sft_sequence(tokenizer, ex) for ex in examples]  # the chat template is slow: render once
+    probe = None if target_accuracy is None else (lambda: greedy_accuracy(model, tokenizer, examples[:PROBE_EXAMPLES]))
+    return train_on_sequences(model, seqs, lambda chunk: collate_sft(chunk, tokenizer.pad_token_id), steps=steps,
+                              batch=batch, lr=lr, seed=seed, weight_decay=weight_decay, probe=probe,
+                              target=target_accuracy, probes=probe_accuracy, progress=progress)
+
+
+def train_on_sequences(
+    model: PreTrainedModel,
+    rows: list,
+    collate: Callable[[list], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int = 0,
+    weight_decay: float = 0.01,
+    probe: Callable[[], float] | None = None,
+    target: float | None = None,
+    probes: list[tuple[int, float]] | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """The SFT loop of every warm-up: AdamW with linear warmup and cosine decay over ``steps``, batches
+    of ``rows`` (``collate`` makes ``(input_ids_BT, labels_BT, attention_mask_BT)``) drawn epoch by
+    epoch from a shuffle seeded by ``seed``; with ``probe``, it is called every ``PROBE_EVERY`` steps
+    (``PROBE_EVERY_NEAR`` once above half of ``target``), its ``(step, value)`` appended to ``probes``,
+    and training stops once the value reaches ``target``. Returns the loss of every step."""
+    rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
     warmup = max(1, steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup))
     order: list[int] = []
     losses = []
-    probes, probe_every = [] if probe_accuracy is None else probe_accuracy, PROBE_EVERY
+    probes, probe_every = [] if probes is None else probes, PROBE_EVERY
     model.train()
-    with Progress(
-        TextColumn("[bold]SFT base"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TimeElapsedColumn(),
-        disable=not progress,
-    ) as bar:
+    with Progress(TextColumn("[bold]SFT base"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress) as bar:
         task = bar.add_task("sft", total=steps, loss=float("nan"))
         for _ in range(steps):
             if len(order) < batch:
-                order += rng.sample(range(len(examples)), len(examples))
+                order += rng.sample(range(len(rows)), len(rows))
             idx, order = order[:batch], order[batch:]
-            input_ids_BT, labels_BT, attention_mask_BT = collate_sft([seqs[i] for i in idx], tokenizer.pad_token_id)
+            input_ids_BT, labels_BT, attention_mask_BT = collate([rows[i] for i in idx])
             loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -127,13 +148,13 @@ def train_sft(
             scheduler.step()
             losses.append(loss.item())
             bar.update(task, advance=1, loss=losses[-1])
-            if target_accuracy is not None and len(losses) % probe_every == 0:
-                accuracy = greedy_accuracy(model, tokenizer, examples[:PROBE_EXAMPLES])
+            if probe is not None and len(losses) % probe_every == 0:
+                value = probe()
                 model.train()
-                probes.append((len(losses), accuracy))
-                if accuracy >= target_accuracy:
+                probes.append((len(losses), value))
+                if target is not None and value >= target:
                     break
-                probe_every = PROBE_EVERY_NEAR if accuracy >= target_accuracy / 2 else PROBE_EVERY
+                probe_every = PROBE_EVERY_NEAR if target is not None and value >= target / 2 else PROBE_EVERY
     model.eval()
     return losses
 
@@ -207,11 +228,6 @@ def sft_base_model(
             progress=progress,
         )
     seconds = time.perf_counter() - start
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     record = {
         "hidden": hidden,
         "layers": layers,
@@ -226,6 +242,14 @@ def sft_base_model(
         "train_seconds": round(seconds, 2),
         "losses": [round(x, 5) for x in losses],
     }
+    return save_base_model(out_dir, model, tokenizer, record)
+
+
+def save_base_model(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, record: dict) -> Path:
+    """Writes a warm-up base (fp32 safetensors, config, generation config, tokenizer and ``sft.json``
+    holding ``record``) through ``atomic_dir``: a failure leaves nothing at ``out_dir``."""
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
     with atomic_dir(out_dir) as tmp_dir:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)

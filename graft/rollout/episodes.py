@@ -10,9 +10,10 @@ scores. An environment turn is appended as the chat template renders it after a 
 turn (`TurnRenderer`): earlier tokens are never re-tokenised. `loss_mask` is True at the model's
 tokens only.
 
-All episodes of a batch run concurrently (one task each), so the engine batches each turn's
-requests. An episode holds one lease (`lease()`, e.g. `inflight.use(version)`) for its whole life: the
-sync never unloads the adapter version it samples from between two of its turns.
+All episodes of a batch run concurrently (one task each), and the turn requests they make in the
+same event-loop pass go to the engine in one call (`TurnBatcher`). An episode holds one lease
+(`lease()`, e.g. `inflight.use(version)`) for its whole life: the sync never unloads the adapter
+version it samples from between two of its turns.
 
 Limits: `EpisodeLimits.max_turns` model turns, `max_tokens` tokens in all (prompt included; each
 turn may generate `min(params.max_new_tokens, what is left)`). An episode the environment has not
@@ -31,6 +32,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
 from graft.rollout.engine import Completion, GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.turn_batcher import TurnBatcher
 from graft.tasks.envs.base import Env, EnvFactory, StepResult
 from graft.tasks.examples import Example
 
@@ -184,10 +186,12 @@ async def run_episodes(engine: RolloutEngine, adapter: str | None, env_factory: 
     `lease()` for its whole life. Episode e's turn t samples with seed `params.seed + e * max_turns + t`
     (no two episodes or turns share one)."""
 
+    batcher = TurnBatcher(engine)  # each turn of the batch's episodes in one engine call
+
     async def one(e: int, example: Example) -> Episode:
         seed = None if params.seed is None else params.seed + e * limits.max_turns
         async with lease() if lease is not None else contextlib.nullcontext():
-            return await run_episode(engine, adapter, env_factory(), example, renderer, replace(params, seed=seed),
+            return await run_episode(batcher, adapter, env_factory(), example, renderer, replace(params, seed=seed),
                                      limits)
 
     return list(await asyncio.gather(*(one(e, ex) for e, ex in enumerate(examples_E))))
