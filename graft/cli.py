@@ -334,9 +334,10 @@ def _add_quickstart_command(sub) -> None:
                                    "and report held-out accuracy before and after. Writes RUN_DIR/quickstart.json "
                                    "and RUN_DIR/reward.png. About 7-8 minutes on 2 CPU cores (plus 1-5 to build "
                                    "the base).")
-    p.add_argument("--task", choices=("arithmetic", "guessing"), default="arithmetic",
-                   help="arithmetic (default: one turn per sample, configs/quickstart.yaml) or guessing "
-                        "(multi-turn games with higher/lower replies, configs/guessing-quickstart.yaml)")
+    p.add_argument("--task", choices=("arithmetic", "tools", "guessing"), default="arithmetic",
+                   help="arithmetic (default: one turn per sample, configs/quickstart.yaml), tools (multi-turn "
+                        "episodes with a calculator tool, configs/tools-quickstart.yaml) or guessing (multi-turn "
+                        "games with higher/lower replies, configs/guessing-quickstart.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, or "
                                                    "runs/quickstart-TASK for another task)")
     p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")

@@ -29,6 +29,10 @@ from graft.config.data import DataConfig
 from graft.config.dist import DistConfig
 from graft.config.objective import ObjectiveFields
 
+# rollout.cpu_reserved_cores "auto": generation gets every core from this model size on (measured on
+# 2 cores, on-policy: a 25M model's step 10% shorter with every core, a 0.7M model's 12% longer).
+AUTO_ALL_CORES_PARAMETERS = 10_000_000
+
 
 class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model directory (or hub id) of the frozen base model.")
@@ -88,6 +92,14 @@ class RolloutConfig(Section):
     max_staleness: int = Field(
         0, ge=0, description="How many policy versions rollouts may lag the trainer; 0 = fully on-policy."
     )
+    cpu_reserved_cores: Literal["auto"] | int = Field(
+        "auto", description="vLLM-CPU servers graft launches: cores vLLM keeps for its front end and scheduler, "
+        "off generation (VLLM_CPU_NUM_OF_RESERVED_CPU). 'auto': 0 (generation on every core) on-policy "
+        "(max_staleness 0, so the trainer is idle while vLLM generates) with a model of at least "
+        "10M parameters, else vLLM's own default (1). Measured on 2 cores, on-policy: 0 cut the rollout "
+        "of a 25M model from 11.2 to 7.0 s a step (step 27.6 -> 24.8 s) and made a 0.7M model's step "
+        "2.31 -> 2.60 s (its generation is not compute-bound). Ignored with a GPU."
+    )
     max_model_len: int | None = Field(
         2048, ge=1, description="Context length (prompt + completion tokens) of the server graft launches "
         "(vLLM --max-model-len, SGLang --context-length); null = the model's own limit from its config.json. "
@@ -123,6 +135,19 @@ class RolloutConfig(Section):
         "the run opens its engines (unset or empty: no key). The default is the variable vLLM itself reads, so "
         "a server graft launches with it set and graft's requests agree."
     )
+
+    @field_validator("cpu_reserved_cores", mode="before")
+    @classmethod
+    def _check_cpu_reserved_cores(cls, v: Any) -> Any:
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"must be 'auto' or an integer >= 0 (got {v!r})")
+        return v
+
+    def resolved_cpu_reserved_cores(self, model_parameters: int) -> int | None:
+        """Cores a launched vLLM-CPU server keeps off generation; None = vLLM's default (see the field)."""
+        if self.cpu_reserved_cores != "auto":
+            return self.cpu_reserved_cores
+        return 0 if self.max_staleness == 0 and model_parameters >= AUTO_ALL_CORES_PARAMETERS else None
 
     @model_validator(mode="after")
     def _check_failover(self) -> "RolloutConfig":

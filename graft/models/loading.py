@@ -1,6 +1,8 @@
 """Loading models and tokenizers from local directories (or hub ids already in the local Hugging
 Face cache), and dtype names."""
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -113,3 +115,14 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
             numel_by_dtype[param.dtype] = numel_by_dtype.get(param.dtype, 0) + param.numel()
     assert numel_by_dtype, "model has no floating-point parameters"
     return max(numel_by_dtype, key=numel_by_dtype.__getitem__)
+
+
+def checkpoint_parameters(model_dir: str | Path) -> int:
+    """Parameters stored in a model directory's safetensors files, from their headers only (nothing
+    is loaded; a directory without them counts 0)."""
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return total

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from graft.config import GraftConfig, load_config
-from graft.quickstart.guessing import sft_guessing_base
+from graft.quickstart.multiturn import sft_multiturn_base
 from graft.quickstart.warmup import RECIPE, sft_base_model
 
 # The supervised warm-up of the base model (see graft.quickstart.warmup for why it stops at a probed
@@ -36,22 +36,23 @@ QUICKSTART_SETTINGS = [
 ]
 
 
-# `graft quickstart --task guessing`: multi-turn games of the built-in guessing environment; the
-# base has watched games of a teacher who guesses at random among the numbers the replies allow
-# (graft.quickstart.guessing). configs/guessing-quickstart.yaml holds the same settings.
-GUESSING_SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 300, "batch": 64, "lr": 3e-3, "games": 4000}
-GUESSING_SETTINGS = [
+# The multi-turn quickstarts (`graft quickstart --task tools|guessing`): bases that watched a teacher
+# play the environment (graft.quickstart.multiturn); the shipped configs hold the same settings.
+MULTITURN_SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "games": 4000}
+_MULTITURN_SETTINGS = [
     "model.dtype=float32",
     "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
     "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
-    "rollout.max_new_tokens=4", "rollout.temperature=1.0", "rollout.max_staleness=1",
+    "rollout.temperature=1.0", "rollout.max_staleness=1",
     "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.steps=60", "train.batch_prompts=16", "train.mini_batches=2", "train.lr=2e-3", "train.kl_coef=0.0",
-    "train.tis_cap=2.0", "train.activation_checkpointing=false",
-    "train.eval_every=20", "train.eval_examples=100", "train.checkpoint_every=10",
-    "data.task=guessing", "data.env=guessing", "data.max_turns=4", "data.max_episode_tokens=256",
-    "data.truncated=score",
+    "train.batch_prompts=16", "train.mini_batches=2", "train.lr=2e-3", "train.kl_coef=0.0",
+    "train.tis_cap=2.0", "train.activation_checkpointing=false", "train.eval_examples=100",
+    "train.checkpoint_every=10", "data.max_episode_tokens=256", "data.truncated=score",
 ]
+TOOLS_SETTINGS = [*_MULTITURN_SETTINGS, "train.steps=40", "train.eval_every=10", "rollout.max_new_tokens=16",
+                  "data.task=calculator", "data.env=calculator", "data.max_turns=2"]
+GUESSING_SETTINGS = [*_MULTITURN_SETTINGS, "train.steps=60", "train.eval_every=20", "rollout.max_new_tokens=4",
+                     "data.task=guessing", "data.env=guessing", "data.max_turns=4"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,12 @@ TASKS = {
     "arithmetic": QuickstartTask(SFT_ARGS, sft_base_model, QUICKSTART_SETTINGS, "configs/quickstart.yaml",
                                  "supervised warm-up on arithmetic until half its answers are right, 1-5 min",
                                  "accuracy (greedy)"),
-    "guessing": QuickstartTask(GUESSING_SFT_ARGS, sft_guessing_base, GUESSING_SETTINGS,
-                               "configs/guessing-quickstart.yaml",
-                               "supervised warm-up on a random guesser's games, ~1 min", "reward (greedy episodes)"),
+    "tools": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "calculator", "max_turns": 2}, sft_multiturn_base,
+                            TOOLS_SETTINGS, "configs/tools-quickstart.yaml",
+                            "supervised warm-up on a teacher's calculator episodes, 3-4 min", "reward (greedy episodes)"),
+    "guessing": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "guessing", "max_turns": 4}, sft_multiturn_base,
+                               GUESSING_SETTINGS, "configs/guessing-quickstart.yaml",
+                               "supervised warm-up on a random guesser's games, 3-4 min", "reward (greedy episodes)"),
 }
 
 

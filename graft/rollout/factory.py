@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from graft.config import ConfigError, GraftConfig, RolloutConfig
-from graft.models.loading import require_model_dir
+from graft.models.loading import checkpoint_parameters, require_model_dir
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, RolloutEngine
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
@@ -71,8 +71,9 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
         ValueError: model.path is not a model directory or a cached hub id.
     """
     rollout = config.rollout
+    model_dir = require_model_dir(config.require_model_path("launch vLLM"))
     return VllmServerConfig(
-        model=str(require_model_dir(config.require_model_path("launch vLLM"))),
+        model=str(model_dir), cpu_reserved_cores=rollout.resolved_cpu_reserved_cores(checkpoint_parameters(model_dir)),
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
         tensor_parallel_size=rollout.tensor_parallel_size,

@@ -71,6 +71,8 @@ class VllmServerConfig:
         max_model_len: Prompt + completion tokens per sequence; None = the model's own limit.
         tensor_parallel_size: GPUs the server splits the model over (`--tensor-parallel-size`).
         kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
+        cpu_reserved_cores: Cores vLLM-CPU keeps for its front end and scheduler, off generation
+            (`VLLM_CPU_NUM_OF_RESERVED_CPU`); None keeps vLLM's default (one; ignored on GPU).
         log_dir: Where `vllm-<port>.log` is written; None means the system temp directory.
         startup_timeout_s: Seconds to wait for /health before giving up.
         stop_timeout_s: Seconds between SIGTERM and SIGKILL on stop.
@@ -98,6 +100,7 @@ class VllmServerConfig:
     max_model_len: int | None = 512
     tensor_parallel_size: int = 1
     kv_cache_gib: int = 1
+    cpu_reserved_cores: int | None = None
     log_dir: str | os.PathLike | None = None
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
@@ -211,6 +214,8 @@ class VllmServer:
             # /collective_rpc, /pause, /resume, /reset_prefix_cache, ...
             "VLLM_SERVER_DEV_MODE": "1" if self.config.dev_endpoints else "0",
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+            **({} if self.config.cpu_reserved_cores is None else
+               {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.config.cpu_reserved_cores)}),
             OWNER_ENV: str(os.getpid()),  # the server stops itself if this process dies without stop()
         }
         if self.config.api_key_env is not None:

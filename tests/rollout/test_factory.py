@@ -17,13 +17,16 @@ import pytest
 from huggingface_hub import constants
 
 from graft.config import ConfigError, load_config
+from graft.config.schema import AUTO_ALL_CORES_PARAMETERS
 from graft.lora.adapter_io import save_adapter
+from graft.models.loading import checkpoint_parameters, load_model
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
+from graft.rollout import factory
 from graft.rollout.factory import launch_config, open_engine, require_weight_reload, resolve_api_key
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import free_port
+from graft.rollout.vllm_launcher import VllmServer, free_port
 from tests.helpers import hf_cache_with, trained_like_peft_model
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -90,6 +93,25 @@ def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tm
     assert adapter.tensor_parallel_size == 1
     split = launch_config(load_config(None, [f"model.path={base_dir}", "rollout.tensor_parallel_size=2"]), tmp_path)
     assert split.tensor_parallel_size == 2
+
+
+def test_launch_config_gives_generation_every_core_on_policy_from_10m_parameters(base_dir, tmp_path, monkeypatch):
+    def reserved(*overrides, parameters):
+        monkeypatch.setattr(factory, "checkpoint_parameters", lambda model_dir: parameters)
+        config = launch_config(load_config(None, [f"model.path={base_dir}", *overrides]), tmp_path)
+        return config.cpu_reserved_cores, VllmServer(config).environment().get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+    assert reserved(parameters=AUTO_ALL_CORES_PARAMETERS) == (0, "0")
+    assert reserved(parameters=AUTO_ALL_CORES_PARAMETERS - 1) == (None, os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"))
+    assert reserved("rollout.max_staleness=1", parameters=10**9)[0] is None  # the trainer runs beside it
+    assert reserved("rollout.cpu_reserved_cores=1", parameters=10**9) == (1, "1")
+    with pytest.raises(ConfigError, match="cpu_reserved_cores"):
+        load_config(None, ["rollout.cpu_reserved_cores=-1"])
+
+
+def test_checkpoint_parameters_counts_the_safetensors_headers(base_dir):
+    model = load_model(base_dir)
+    assert checkpoint_parameters(base_dir) == sum(p.numel() for p in model.state_dict().values())
 
 
 def test_launch_config_gives_vllm_a_cached_hub_id_as_its_local_snapshot(base_dir, tmp_path, monkeypatch):
