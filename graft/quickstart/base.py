@@ -75,9 +75,9 @@ TASKS = {
     "tools": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "calculator", "max_turns": 2}, sft_multiturn_base,
                             TOOLS_SETTINGS, "configs/tools-quickstart.yaml",
                             "supervised warm-up on a teacher's calculator episodes, 3-4 min", "reward (greedy episodes)"),
-    "guessing": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "guessing", "max_turns": 4}, sft_multiturn_base,
-                               GUESSING_SETTINGS, "configs/guessing-quickstart.yaml",
-                               "supervised warm-up on a random guesser's games, 3-4 min", "reward (greedy episodes)"),
+    "guessing": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "guessing", "max_turns": 4, "steps": 300},
+                               sft_multiturn_base, GUESSING_SETTINGS, "configs/guessing-quickstart.yaml",
+                               "supervised warm-up on a random guesser's games, ~1 min", "reward (greedy episodes)"),
 }
 
 

@@ -1,11 +1,14 @@
 """`graft quickstart`: the README's main job — LoRA GRPO on a real vLLM server, end to end.
 
-1. A small base model that knows a little arithmetic: a tiny Qwen2 fine-tuned briefly on the
-   built-in task (`graft.quickstart.warmup`), built once and cached by its arguments.
+1. A small base model that knows a little of the task: a tiny Qwen2 fine-tuned briefly on
+   arithmetic (`graft.quickstart.warmup`), or on a teacher's episodes of a multi-turn environment
+   (`--task tools|guessing`, `graft.quickstart.multiturn`), built once and cached by its arguments.
 2. A vLLM server launched by graft, serving that base with runtime LoRA loading.
-3. `graft train` with `configs/quickstart.yaml`'s settings: every step publishes the adapter as
-   `graft-v<N>`, loads it, verifies it, and unloads versions outside the retention window.
-4. Held-out greedy accuracy before and after, the reward plot, and RUN_DIR/quickstart.json.
+3. `graft train` with the task's shipped config's settings (`graft.quickstart.base.TASKS`): every
+   step publishes the adapter as `graft-v<N>`, loads it, verifies it, and unloads versions outside
+   the retention window.
+4. Held-out greedy accuracy (multi-turn: greedy-episode reward) before and after, the reward plot,
+   and RUN_DIR/quickstart.json.
 """
 
 from __future__ import annotations
@@ -104,9 +107,14 @@ def _report(console: Console, s: dict, run_dir: Path) -> None:
     table = Table(title=f"graft quickstart ({s['task']}): LoRA GRPO on vLLM")
     table.add_column("measured")
     table.add_column("value", justify="right")
-    table.add_row(f"held-out {s['held_out']} before", f"{s['accuracy_before']:.1%}")
-    table.add_row(f"held-out {s['held_out']} after", f"{s['accuracy_after']:.1%}")
-    table.add_row("change", f"{(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} points")
+    if s["task"] == "arithmetic":  # a fraction answered right
+        shown = [f"{s['accuracy_before']:.1%}", f"{s['accuracy_after']:.1%}",
+                 f"{(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} points"]
+    else:  # a mean episode reward
+        shown = [f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
+                 f"{s['accuracy_after'] - s['accuracy_before']:+.3f}"]
+    for name, value in zip((f"held-out {s['held_out']} before", f"held-out {s['held_out']} after", "change"), shown):
+        table.add_row(name, value)
     table.add_row("train reward, first -> last 10 steps",
                   f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")
     table.add_row("GRPO steps", str(s["steps"]))

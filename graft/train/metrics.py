@@ -40,10 +40,12 @@ class MetricsLog:
         run_dir: The run directory.
         keep_through_step: Rows of steps after this one are dropped from the files (0 = a fresh
             run, nothing kept): an interrupted run may have logged steps its checkpoint lacks.
+        held_out: What the held-out evaluations measure, as the plot's legend says it.
     """
 
-    def __init__(self, run_dir: str | Path, keep_through_step: int = 0) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path, keep_through_step: int = 0,
+                 held_out: str = "held-out accuracy (greedy)") -> None:
+        self.run_dir, self.held_out = Path(run_dir), held_out
         self.path = self.run_dir / "metrics.jsonl"
         self.eval_path = self.run_dir / "eval.jsonl"
         self.rows = [r for r in read_jsonl(self.path) if r["step"] <= keep_through_step]
@@ -90,7 +92,7 @@ class MetricsLog:
                       for i in range(len(mean))]
             ax.plot(steps, smooth, color="tab:blue", linewidth=2, label=f"train reward ({SMOOTHING}-step mean)")
         if self.evals:
-            ax.plot(*zip(*self.evals), "o--", color="tab:orange", label="held-out accuracy (greedy)")
+            ax.plot(*zip(*self.evals), "o--", color="tab:orange", label=self.held_out)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.05, 1.05)

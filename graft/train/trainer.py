@@ -79,7 +79,8 @@ class _Leader:
 
     async def run(self) -> dict:
         config, train, policy, sync = self.config, self.config.train, self.policy, self.sync
-        self.log = MetricsLog(self.run_dir, keep_through_step=policy.step)
+        held_out = "held-out reward (greedy episodes)" if self.task.env is not None else "held-out accuracy (greedy)"
+        self.log = MetricsLog(self.run_dir, keep_through_step=policy.step, held_out=held_out)
         first_step = policy.step + 1
         try:
             sync.discard_from(policy.version)  # what an earlier (interrupted) run published from here on

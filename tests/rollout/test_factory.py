@@ -17,11 +17,11 @@ import pytest
 from huggingface_hub import constants
 
 from graft.config import ConfigError, load_config
-from graft.config.schema import AUTO_ALL_CORES_PARAMETERS
+from graft.config.rollout import AUTO_ALL_CORES_PARAMETERS
 from graft.lora.adapter_io import save_adapter
 from graft.models.loading import checkpoint_parameters, load_model
-from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
 from graft.rollout import factory
+from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
 from graft.rollout.factory import launch_config, open_engine, require_weight_reload, resolve_api_key
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
