@@ -239,6 +239,9 @@ def _add_bench_command(sub) -> None:
                                    "(--sweep: cost growth). "
                                    "e2e: one LoRA GRPO step, graft vs TRL GRPOTrainer + PEFT, same model, task, "
                                    "batch, LoRA and optimizer; interleaved, medians, ratio TRL/graft. "
+                                   "cores: on-policy graft steps under vLLM-CPU core settings (a core reserved "
+                                   "for vLLM's front end, or every core generating); rollout.cpu_reserved_cores "
+                                   "auto is chosen from it. "
                                    "learning: held-out accuracy vs training seconds, graft vs TRL from the same "
                                    "base for the same wall-clock budget; learning.png. "
                                    "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
@@ -254,12 +257,12 @@ def _add_bench_command(sub) -> None:
                                    "them: docs/benchmarks.md.")
     p.add_argument("which", choices=list(BENCHES), help="benchmark to run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e: one model instead of h128 l2 and h512 l8)")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e, cores: one model instead of h128 l2 and h512 l8)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2, memory 2 or 24, step 24)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
     p.add_argument("--steps", type=int, default=None,
-                   help="e2e: steps per run, the first 2 are warm-up (default 6); "
+                   help="e2e, cores: steps per run, the first 2 are warm-up (default 6); "
                         "learning: graft's steps (default 150)")
     p.add_argument("--plot-dir", default="runs/bench", help="where plots are written (default runs/bench)")
     p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")

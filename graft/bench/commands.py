@@ -41,6 +41,15 @@ def _bench_e2e(args: argparse.Namespace) -> dict:
     return result
 
 
+def _bench_cores(args: argparse.Namespace) -> dict:
+    from graft.bench.cores import MODELS, print_cores_report, run_cores_bench
+
+    models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
+    result = run_cores_bench(models, steps=args.steps or 6)
+    print_cores_report(result)
+    return result
+
+
 def _bench_learning(args: argparse.Namespace) -> dict:
     from graft.bench.learning import print_learning_report, run_learning_bench
 
@@ -87,5 +96,5 @@ def _bench_step(args: argparse.Namespace) -> dict:
 
 # `graft bench WHICH`: each runs, prints its table and returns what --json writes.
 BENCHES = {"merge": _bench_merge, "rollout": _bench_rollout, "sync": _bench_sync, "e2e": _bench_e2e,
-           "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory,
+           "cores": _bench_cores, "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory,
            "step": _bench_step}
