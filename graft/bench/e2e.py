@@ -78,6 +78,7 @@ def graft_overrides(base: Path, url: str, workload: Workload, steps: int, seed: 
         f"train.steps={steps}", f"train.batch_prompts={workload.prompts}", "train.mini_batches=1", "train.epochs=1",
         f"train.lr={LR}", "train.kl_coef=0.0", "train.entropy_coef=0.0", "train.clip_eps=0.2",
         "train.loss_agg=token-mean", "train.normalize_adv_std=true", "train.grad_clip=1.0",
+        "train.activation_checkpointing=false",  # TRL side: gradient_checkpointing=False
         f"train.seed={seed}", "train.eval_examples=8",
         f"data.task={TASK['task']}", f"data.reward={TASK['reward']}",
     ]

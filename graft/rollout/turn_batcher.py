@@ -29,14 +29,20 @@ class TurnBatcher:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._waiting: dict[str | None, list[_Waiting]] = {}
+        self._sending: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
         waiting = self._waiting.setdefault(adapter, [])
         waiting.append((list(requests), answer))
         if len(waiting) == 1:  # the first of this pass: send once the pass's other episodes have asked
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send(adapter)))
+            asyncio.get_running_loop().call_soon(self._start_sending, adapter)
         return await answer
+
+    def _start_sending(self, adapter: str | None) -> None:
+        task = asyncio.ensure_future(self._send(adapter))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send(self, adapter: str | None) -> None:
         waiting = self._waiting.pop(adapter)
