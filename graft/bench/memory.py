@@ -48,7 +48,7 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
 
     from graft.train.allocator import return_freed_memory_to_the_os
 
-    return_freed_memory_to_the_os()  # as `graft train` does
+    return_freed_memory_to_the_os()  # as `graft train` does at this size (train.return_freed_memory: auto)
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from graft.config import GraftConfig, is_loopback_url, save_config
 from graft.evaluation import evaluate
 from graft.lora.attach import count_parameters
-from graft.models.loading import load_tokenizer
+from graft.models.loading import checkpoint_parameters, load_tokenizer, resolve_model_path
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.episodes import evaluate_episodes
 from graft.rollout.factory import open_engine
@@ -202,6 +202,18 @@ def _leave_a_core_to_local_vllm(config: GraftConfig):
         torch.set_num_threads(threads)
 
 
+# train.return_freed_memory "auto": from this model size on, memory matters more than page faults.
+AUTO_RETURN_MEMORY_PARAMETERS = 100_000_000
+
+
+def _returns_freed_memory(config: GraftConfig) -> bool:
+    """Whether this run fixes the mmap threshold (`train.return_freed_memory`; see its description)."""
+    setting = config.train.return_freed_memory
+    if setting != "auto":
+        return setting
+    return checkpoint_parameters(resolve_model_path(config.model.path)) >= AUTO_RETURN_MEMORY_PARAMETERS
+
+
 def _load_task(config: GraftConfig) -> _Task:
     # User reward (or environment) code imports (or fails) before the data is read.
     env = resolve_env(config.data.env) if config.data.env is not None else None
@@ -228,7 +240,8 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
 
 
 async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
-    return_freed_memory_to_the_os()
+    if _returns_freed_memory(config):
+        return_freed_memory_to_the_os()
     if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
         check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules,
                               config.lora.dropout)

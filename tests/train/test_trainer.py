@@ -314,3 +314,12 @@ def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeyp
     assert torch.get_num_threads() == before
     with trainer._leave_a_core_to_local_vllm(load_config(None, [])):  # on-policy: the two take turns
         assert torch.get_num_threads() == before
+
+
+def test_only_a_large_model_fixes_the_mmap_threshold_unless_told(tmp_path, monkeypatch):
+    def fixes(parameters, *overrides):
+        monkeypatch.setattr(trainer, "checkpoint_parameters", lambda path: parameters)
+        return trainer._returns_freed_memory(load_config(None, [f"model.path={tmp_path}", *overrides]))
+
+    assert fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS) and not fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS - 1)
+    assert fixes(1, "train.return_freed_memory=true") and not fixes(10**9, "train.return_freed_memory=false")
