@@ -27,6 +27,13 @@ class ConfigError(ValueError):
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
+def auto_or_count(value: Any) -> Any:
+    """`value` unchanged if it is "auto" or an integer >= 0 (the settings that are either); else ValueError."""
+    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"must be 'auto' or an integer >= 0 (got {value!r})")
+    return value
+
+
 def is_loopback_url(url: str) -> bool:
     """True when `url`'s host is this machine's loopback (a server graft may treat as local)."""
     return urlsplit(url).hostname in LOOPBACK_HOSTS

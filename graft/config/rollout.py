@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from graft.config.base import VLLM_LORA_RANKS, ConfigError, Section
+from graft.config.base import VLLM_LORA_RANKS, ConfigError, Section, auto_or_count
 
 # rollout.cpu_reserved_cores "auto": generation gets every core from this model size on (measured on
 # 2 cores, on-policy: a 25M model's step 10% shorter with every core, a 0.7M model's 12% longer).
@@ -77,9 +77,7 @@ class RolloutConfig(Section):
     @field_validator("cpu_reserved_cores", mode="before")
     @classmethod
     def _check_cpu_reserved_cores(cls, v: Any) -> Any:
-        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"must be 'auto' or an integer >= 0 (got {v!r})")
-        return v
+        return auto_or_count(v)
 
     def resolved_cpu_reserved_cores(self, model_parameters: int) -> int | None:
         """Cores a launched vLLM-CPU server keeps off generation; None = vLLM's default (see the field)."""

@@ -18,6 +18,7 @@ from graft.config.base import (
     ADAPTER_NAME_RE,
     ConfigError,
     Section,
+    auto_or_count,
     is_loopback_url,
     module_list,
 )
@@ -101,9 +102,7 @@ class SyncConfig(Section):
     @field_validator("keep_versions", mode="before")
     @classmethod
     def _check_keep_versions(cls, v: Any) -> Any:
-        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"must be 'auto' or an integer >= 0 (got {v!r})")
-        return v
+        return auto_or_count(v)
 
     def resolved_keep_versions(self, max_staleness: int) -> int:
         """Versions to keep loaded: `auto` keeps every version a stale rollout may still use, plus

@@ -15,8 +15,6 @@ An episode is one token sequence built exactly as `graft.rollout.episodes` build
 (`TurnRenderer`: the opening prompt, each model turn with its eos, each environment turn as the chat
 template renders it after a finished turn), so the model learns the token layout it is sampled in.
 The loss covers the teacher's tokens only.
-
-Shape suffixes: ``_B`` batch, ``_T`` tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from transformers import Qwen2ForCausalLM
 
 from graft.models.tiny import tiny_config
 from graft.models.tokenizer import train_tokenizer
-from graft.quickstart.warmup import IGNORE_INDEX, save_base_model, train_on_sequences
+from graft.quickstart.warmup import collate_labelled, save_base_model, train_on_sequences
 from graft.rollout.episodes import TurnRenderer
 from graft.tasks.envs import ENVS
 from graft.tasks.examples import TASKS, Example
@@ -99,21 +97,6 @@ def teacher_game(renderer: TurnRenderer, env_name: str, example: Example, rng: r
     return ids, trained
 
 
-def collate_games(games: list[Game], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)``; ``labels_BT`` is the id at the
-    teacher's tokens and ``IGNORE_INDEX`` elsewhere (HF's causal-LM loss shifts labels itself)."""
-    width = max(len(ids) for ids, _ in games)
-    input_ids_BT = torch.full((len(games), width), pad_id, dtype=torch.long)
-    labels_BT = torch.full((len(games), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask_BT = torch.zeros((len(games), width), dtype=torch.long)
-    for row, (ids, trained) in enumerate(games):
-        ids_T = torch.tensor(ids)
-        input_ids_BT[row, : len(ids)] = ids_T
-        labels_BT[row, : len(ids)] = torch.where(torch.tensor(trained), ids_T, IGNORE_INDEX)
-        attention_mask_BT[row, : len(ids)] = 1
-    return input_ids_BT, labels_BT, attention_mask_BT
-
-
 def sft_multiturn_base(out_dir: str | Path, *, env: str, hidden: int = 128, layers: int = 2, steps: int = 300,
                        batch: int = 64, lr: float = 3e-3, seed: int = 0, games: int = 4000, max_turns: int = 4,
                        progress: bool = True) -> Path:
@@ -131,7 +114,7 @@ def sft_multiturn_base(out_dir: str | Path, *, env: str, hidden: int = 128, laye
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(tiny_config(tokenizer, arch="qwen2", hidden=hidden, layers=layers))
-        losses = train_on_sequences(model, rows, lambda chunk: collate_games(chunk, tokenizer.pad_token_id),
+        losses = train_on_sequences(model, rows, lambda chunk: collate_labelled(chunk, tokenizer.pad_token_id),
                                     steps=steps, batch=batch, lr=lr, seed=seed, progress=progress)
     record = {"env": env, "hidden": hidden, "layers": layers, "steps": steps, "batch": batch, "lr": lr,
               "seed": seed, "games": games, "max_turns": max_turns, "steps_run": len(losses),

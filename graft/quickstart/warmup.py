@@ -55,15 +55,26 @@ def sft_sequence(tokenizer: PreTrainedTokenizerBase, example: Example) -> Sequen
 
 
 def collate_sft(sequences: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for a batch of ``sft_sequence``s.
+    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for a batch of ``sft_sequence``s:
+    ``labels_BT`` equals ``input_ids_BT`` on the answer tokens and is ``IGNORE_INDEX`` elsewhere."""
+    return collate_labelled([(prompt + answer, [False] * len(prompt) + [True] * len(answer))
+                             for prompt, answer in sequences], pad_id)
 
-    ``labels_BT`` equals ``input_ids_BT`` on the answer tokens and is ``IGNORE_INDEX`` on the prompt
-    and the padding. ``pad``'s completion mask marks the positions whose NEXT token is an answer
-    token; HF's causal-LM loss shifts the labels itself, so they sit one position to the right.
-    """
-    input_ids_BT, attention_mask_BT, completion_mask_BT = pad(sequences, "right", pad_id)
-    labels_BT = torch.full_like(input_ids_BT, IGNORE_INDEX)
-    labels_BT[:, 1:] = torch.where(completion_mask_BT[:, :-1], input_ids_BT[:, 1:], IGNORE_INDEX)
+
+def collate_labelled(rows: list[tuple[list[int], list[bool]]], pad_id: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids_BT, labels_BT, attention_mask_BT)`` for ``(ids, trained)`` rows;
+    ``labels_BT`` is the id where ``trained`` and ``IGNORE_INDEX`` elsewhere (HF's causal-LM loss
+    shifts labels itself, so they sit at the token they score)."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids_BT = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels_BT = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, trained) in enumerate(rows):
+        ids_T = torch.tensor(ids)
+        input_ids_BT[row, : len(ids)] = ids_T
+        labels_BT[row, : len(ids)] = torch.where(torch.tensor(trained), ids_T, IGNORE_INDEX)
+        attention_mask_BT[row, : len(ids)] = 1
     return input_ids_BT, labels_BT, attention_mask_BT
 
 

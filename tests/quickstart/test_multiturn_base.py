@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from graft.models.tokenizer import train_tokenizer
-from graft.quickstart.multiturn import HIGH, LOW, TOOL_SHARE, collate_games, sft_multiturn_base, teacher_game
-from graft.quickstart.warmup import IGNORE_INDEX
+from graft.quickstart.multiturn import HIGH, LOW, TOOL_SHARE, sft_multiturn_base, teacher_game
+from graft.quickstart.warmup import IGNORE_INDEX, collate_labelled
 from graft.rollout.engine import Completion, SamplingParams
 from graft.rollout.episodes import EpisodeLimits, TurnRenderer, run_episode
 from graft.tasks.envs import ENVS
@@ -94,7 +94,7 @@ def test_the_tools_teacher_calls_the_calculator_in_its_share_of_episodes_and_cop
 def test_collate_puts_labels_on_the_teacher_tokens_only():
     train, _ = guessing_task(seed=0)
     games = [teacher_game(RENDERER, "guessing", ex, random.Random(i), max_turns=4) for i, ex in enumerate(train[:5])]
-    input_ids_BT, labels_BT, attention_mask_BT = collate_games(games, TOKENIZER.pad_token_id)
+    input_ids_BT, labels_BT, attention_mask_BT = collate_labelled(games, TOKENIZER.pad_token_id)
     for row, (ids, trained) in enumerate(games):
         n = len(ids)
         assert input_ids_BT[row, :n].tolist() == ids and attention_mask_BT[row].sum() == n
