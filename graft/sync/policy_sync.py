@@ -10,6 +10,7 @@ contract names (`sync_mode`, `sync_seconds`, `sync_bytes`, `engine_adapters_load
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from graft.config import GraftConfig
@@ -18,7 +19,8 @@ from graft.rollout.pool import live_engine_count
 from graft.sync.guard import check_finite_policy
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
-from graft.sync.source import Policy, policy_source
+from graft.sync.result import SyncResult
+from graft.sync.source import Policy, PolicySource, policy_source
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
 
 
@@ -26,6 +28,14 @@ def weights_dir_of(config: GraftConfig, run_dir: str | Path) -> Path:
     """Where a run publishes its versions: RUN_DIR/weights, or SYNC_DIR/<lora.name> — a directory of
     its own inside a shared `sync.dir`, so a fresh run never discards another run's versions."""
     return Path(config.sync.dir) / config.lora.name if config.sync.dir else Path(run_dir) / "weights"
+
+
+@dataclass(frozen=True)
+class AppliedVersion:
+    """A version published and applied to the engines, its delivery not yet verified."""
+
+    source: PolicySource
+    result: SyncResult
 
 
 class PolicySync:
@@ -63,16 +73,27 @@ class PolicySync:
 
         Raises:
             NonFinitePolicyError: `policy` is not finite (nothing is published; see graft.sync.guard).
+            DeliveryError: the engines do not serve it (unless `sync.verify_action: warn`).
         """
+        return await self.confirm(await self.apply(policy, version, step))
+
+    async def apply(self, policy: Policy, version: int, step: int) -> AppliedVersion:
+        """The first half of `__call__`: publish and apply, not yet verified. The trainer lets the
+        next rollout start here and calls `confirm` beside it (see `graft.train.trainer`)."""
         source = policy_source(policy)
         check_finite_policy(source, version)
         result = await self.mode.sync(source, version, step)
         self.version = version
-        gap, verify_seconds = None, 0.0
+        return AppliedVersion(source, result)
+
+    async def confirm(self, applied: AppliedVersion) -> dict:
+        """The second half: verify delivery of what `apply` applied; the step's sync metrics
+        (`sync_seconds` counts publish, apply and verify, wherever the verify ran)."""
+        result, gap, verify_seconds = applied.result, None, 0.0
         if self.verify:
             start = time.perf_counter()
-            gap = await verify_delivery(self.engine, source, adapter=result.adapter, tolerance=self.tolerance,
-                                        warn_only=self.warn_only)
+            gap = await verify_delivery(self.engine, applied.source, adapter=result.adapter,
+                                        tolerance=self.tolerance, warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,
                 "sync_publish_seconds": result.publish_seconds, "sync_apply_seconds": result.apply_seconds,

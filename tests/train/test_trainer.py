@@ -323,3 +323,45 @@ def test_only_a_large_model_fixes_the_mmap_threshold_unless_told(tmp_path, monke
 
     assert fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS) and not fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS - 1)
     assert fixes(1, "train.return_freed_memory=true") and not fixes(10**9, "train.return_freed_memory=false")
+
+
+def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its_batch(base_dir, tmp_path,
+                                                                                       monkeypatch):
+    """On-policy, the check of version v runs while step v+1's batch is sampled from v (its probe
+    shares the engine's steps); a failed check stops the run before that batch is trained on."""
+    from graft.sync import policy_sync
+    from graft.sync.verify import DeliveryError
+    from graft.train.policy import PolicyState
+
+    sampling, learned = {}, []
+    real_build, real_learn = trainer.build_rollout_batch, PolicyState.learn
+
+    async def build(*args, version, **kwargs):
+        sampling.setdefault(version, asyncio.Event()).set()
+        return await real_build(*args, version=version, **kwargs)
+
+    def learn(self, batch, step):
+        learned.append(step)
+        return real_learn(self, batch, step)
+
+    async def check(engine, source, *, adapter, tolerance, warn_only):
+        version = int(adapter.rsplit("-v", 1)[1])
+        if 1 <= version < 3:  # a version a later step samples from; without the overlap this times out
+            await asyncio.wait_for(sampling.setdefault(version, asyncio.Event()).wait(), timeout=30)
+        if version == failing:
+            raise DeliveryError("probe gap", address="reference")
+        return 0.0
+
+    monkeypatch.setattr(trainer, "build_rollout_batch", build)
+    monkeypatch.setattr(PolicyState, "learn", learn)
+    monkeypatch.setattr(policy_sync, "verify_delivery", check)
+    overrides = [f"model.path={base_dir}", *_TINY_RUN, "train.steps=3"]
+    failing = None
+    asyncio.run(train(load_config(None, overrides), tmp_path / "ok"))
+    assert learned == [1, 2, 3] and [r["policy_version"] for r in _rows(tmp_path / "ok")] == [1, 2, 3]
+
+    failing, learned[:] = 1, []
+    sampling.clear()
+    with pytest.raises(DeliveryError, match="probe gap"):
+        asyncio.run(train(load_config(None, overrides), tmp_path / "failed"))
+    assert learned == [1] and 1 in sampling  # version 1's batch was sampled, never trained on
