@@ -68,7 +68,7 @@ def run_cores_bench(models: tuple[tuple[int, int], ...] = MODELS, steps: int = 6
 def print_cores_report(result: dict) -> None:
     table = Table(title=f"cores: on-policy graft steps ({result['workload']}) under vLLM-CPU core settings "
                         f"(medians of {result['steps_per_run'] - result['warmup_steps']} steps)")
-    for column in ("model", "server setting", "s/step", "rollout", "train", "sync"):
+    for column in ("model", "server setting", "s/step", "rollout", "train", "sync", "verify"):
         table.add_column(column)
     for row in result["rows"]:
         table.add_row(row["model"], row["setting"], f"{row['seconds_per_step']:.3f}",

@@ -5,9 +5,9 @@ Both sides train the same random tiny Qwen2 (random weights generate to the toke
 max new tokens, LoRA rank/alpha/targets, fp32, AdamW and learning rate, one optimizer step per
 rollout batch (on-policy: graft with max_staleness 0, so neither side overlaps anything).
 
-- graft: `graft train` in this process against one vLLM-CPU server the bench starts (adapter sync
-  with verification every step, as a user runs it); split = rollout / train / sync from
-  metrics.jsonl.
+- graft: `graft train` in this process against a vLLM-CPU server the bench starts (adapter sync
+  with verification every step, as a user runs it); split = rollout / train / sync (publish +
+  apply) / verify (the delivery check, beside the next rollout) from metrics.jsonl.
 - graft-async: the same with `rollout.max_staleness: 1` (the next batch is sampled with the
   previous version while the update and the sync run).
 - TRL: `graft.bench.trl_worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
@@ -62,7 +62,9 @@ WORKLOADS = (Workload("16x8x32", 16, 8, 32), Workload("1x8x16", 1, 8, 16))
 LORA = {"rank": 8, "alpha": 16, "targets": "all-linear"}
 LR = 1e-4
 TASK = {"task": "arithmetic", "reward": "exact_numeric"}
-SPLIT = ("rollout_seconds", "train_seconds", "sync_seconds")
+# sync: publish + apply (the next rollout waits for it); verify: the delivery check, which runs
+# beside the next rollout (graft.train.trainer).
+SPLIT = ("rollout_seconds", "train_seconds", "sync_seconds", "verify_seconds")
 # (hidden, layers) of the random Qwen2 models: the quickstart's size (0.6M parameters: per-step
 # overheads dominate) and a small LM's (25M: the compute starts to count).
 MODELS = ((128, 2), (512, 8))
@@ -99,13 +101,16 @@ SIDES = (*STALENESS, "trl")
 
 def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path,
                 max_staleness: int = 0) -> list[dict]:
-    """Per-step rows {seconds, rollout/train/sync seconds, completion_tokens_mean} of one graft run."""
+    """Per-step rows {seconds, rollout/train/sync/verify seconds, completion_tokens_mean} of one graft run."""
     overrides = [*graft_overrides(base, url, workload, steps, seed, name=f"e2e-{run_dir.name}"),
                  f"rollout.max_staleness={max_staleness}"]
     config = load_config(None, overrides)
     asyncio.run(train(config, run_dir))
     completions = workload.prompts * workload.samples
-    return [{"seconds": row["step_seconds"], **{k: row[k] for k in SPLIT},
+    return [{"seconds": row["step_seconds"], "rollout_seconds": row["rollout_seconds"],
+             "train_seconds": row["train_seconds"],
+             "sync_seconds": row["sync_publish_seconds"] + row["sync_apply_seconds"],
+             "verify_seconds": row["sync_verify_seconds"],
              "completion_tokens_mean": row["rollout_tokens"] / completions}
             for row in read_jsonl(run_dir / "metrics.jsonl")]
 
@@ -246,8 +251,8 @@ async def _load(url: str, name: str, path: Path) -> None:
 def print_e2e_report(result: dict) -> None:
     table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} (random Qwen2, fp32, "
                         f"medians of {result['repeats']} x {result['steps_per_run'] - result['warmup_steps']} steps)")
-    for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "tok/compl", "TRL/graft",
-                   "step/floor", "rollout/1 call"):
+    for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "verify", "tok/compl",
+                   "TRL/graft", "step/floor", "rollout/1 call"):
         table.add_column(column)
     for row in result["workloads"]:
         for side in SIDES:
@@ -259,5 +264,5 @@ def print_e2e_report(result: dict) -> None:
                           f"{row[f'{side}_over_floor']:.2f}" if graft_side else "",
                           f"{row[f'{side}_rollout_over_one_call']:.2f}" if graft_side else "")
         table.add_row("", row["name"], "floor", f"{row['floor_seconds']:.3f}", f"{row['one_call_seconds']:.3f}",
-                      f"{row['graft']['train_seconds']:.3f}", "", "", "", "", "")
+                      f"{row['graft']['train_seconds']:.3f}", "", "", "", "", "", "")
     Console(width=max(Console().width, 140)).print(table)

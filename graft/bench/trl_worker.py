@@ -112,8 +112,8 @@ def run(spec: dict) -> dict:
             self.clock += seconds
             rollout = TimedGRPOTrainer.rollout_seconds
             steps.append({"step": state.global_step, "seconds": seconds, "rollout_seconds": rollout,
-                          "train_seconds": seconds - rollout, "sync_seconds": 0.0, "clock": self.clock,
-                          **TimedGRPOTrainer.batch_stats})
+                          "train_seconds": seconds - rollout, "sync_seconds": 0.0, "verify_seconds": 0.0,
+                          "clock": self.clock, **TimedGRPOTrainer.batch_stats})
             if save_dir is not None and state.global_step % spec["save_every"] == 0:
                 path = save_dir / f"step-{state.global_step}"
                 model.save_pretrained(path)

@@ -19,7 +19,7 @@ def test_each_setting_reaches_the_server_environment_over_graft_s_own():
 
 def test_the_report_has_a_row_per_model_and_setting(monkeypatch):
     rows = [{"model": m, "setting": s, "seconds_per_step": 1.0, "rollout_seconds": 0.5, "train_seconds": 0.4,
-             "sync_seconds": 0.1} for m in ("h128 l2", "h512 l8") for s in cores.SETTINGS]
+             "sync_seconds": 0.1, "verify_seconds": 0.05} for m in ("h128 l2", "h512 l8") for s in cores.SETTINGS]
     out = io.StringIO()
     monkeypatch.setattr(cores, "Console", lambda **kwargs: Console(file=out, width=200))
     cores.print_cores_report({"workload": "16x8x32", "steps_per_run": 6, "warmup_steps": 2, "rows": rows})

@@ -85,7 +85,7 @@ def test_trl_prompts_tokenize_like_graft_and_score_with_graft_reward(base_dir):
 def test_summarise_takes_medians_over_repetitions_the_ratios_and_the_floor():
     def step(seconds):
         return {"seconds": seconds, "rollout_seconds": seconds / 2, "train_seconds": seconds / 4,
-                "sync_seconds": 0.1, "completion_tokens_mean": 4.0}
+                "sync_seconds": 0.1, "verify_seconds": 0.05, "completion_tokens_mean": 4.0}
     row = summarise(WORKLOAD, {"graft": [[step(1.0), step(2.0)], [step(3.0)]],
                                "graft-async": [[step(1.0)], [step(1.0)]],
                                "trl": [[step(4.0), step(9.0)], [step(5.0)]]}, one_call=[0.2, 0.5, 0.3])
