@@ -221,6 +221,16 @@ class EnginePool:
         log.warning("rollout engine %s dropped from the pool, %d of %d still live: %s",
                     address, left, len(self.members), self.dropped[address])
 
+    async def drop_if_down(self, engine: RolloutEngine, error: BaseException) -> bool:
+        """For callers that talk to a member directly (delivery verification): drop `engine` if
+        `error` shows it is not serving, as a broadcast would; False if it is serving (the error is
+        real). Raises `error`, annotated, if fewer than min_engines would stay."""
+        i = self.members.index(engine)
+        if not await self._down(i, error, probe=False):
+            return False
+        self._drop(i, error)
+        return True
+
     # -- broadcast ------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from graft.rollout.engine import EngineError, GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.engine import EngineError, EngineUnavailableError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.pool import EnginePool, engine_address
 from graft.sync.source import Policy, PolicySource, policy_source
 
@@ -62,6 +62,11 @@ async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str
                 raise
             log.warning("%s", error)
             worst = max(worst, error.gap)
+        except EngineUnavailableError as error:
+            # A pool member that stopped serving while it was checked (the check runs beside the
+            # next rollout) is dropped like one that fails a request; the rest are still checked.
+            if not (isinstance(engine, EnginePool) and await engine.drop_if_down(member, error)):
+                raise
     return worst
 
 

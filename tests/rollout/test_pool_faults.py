@@ -171,7 +171,8 @@ def test_training_goes_on_when_a_server_is_killed_mid_generation(pair, base_dir,
         result = asyncio.run(trainer.train(config, tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and result["steps"] == 3
-    assert [r["engines_live"] for r in rows] == [2, 1, 1]
+    # Step 1's delivery check runs beside step 2's rollout, where the kill lands: either may see it.
+    assert rows[0]["engines_live"] in (1, 2) and [r["engines_live"] for r in rows[1:]] == [1, 1]
     assert all(r["sync_logprob_abs_diff_max"] < 1e-3 for r in rows)  # verified on the live server only
     (drop,) = _drops(caplog)
     assert drop.getMessage().startswith(f"rollout engine {victim.url} dropped from the pool, 1 of 2 still live: ")

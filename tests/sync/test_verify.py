@@ -78,3 +78,23 @@ def test_a_small_gap_under_a_float32_tolerance_names_dtype_as_the_likely_cause()
     assert "graft serve --dtype float32" in _dtype_hint(0.002, 1e-3)  # measured: bf16 engine, fp32 trainer
     assert _dtype_hint(3.0, 1e-3) == ""  # far too large for rounding: wrong weights, not dtype
     assert _dtype_hint(0.5, 0.1) == ""  # already a bfloat16 tolerance
+
+
+def test_a_member_that_stops_serving_during_the_check_is_dropped_unless_too_few_would_stay(base_dir):
+    """The check runs beside the next rollout: a server killed meanwhile fails it as it would fail a
+    request — dropped while min_engines stay live, the run's error otherwise."""
+    from graft.models.loading import load_model
+    from graft.rollout.engine import EngineUnavailableError
+    from graft.rollout.pool import EnginePool
+    from graft.rollout.reference import ReferenceEngine
+    from tests.rollout.test_pool_failover import Dying
+
+    policy = load_model(base_dir)
+    dying = Dying("http://dying:8000")
+    pool = EnginePool([ReferenceEngine(base_dir), dying])
+    assert asyncio.run(verify_delivery(pool, policy, adapter=None, tolerance=FP32_TOLERANCE)) <= 1e-4
+    assert list(pool.dropped) == ["http://dying:8000"] and pool.engines_live == 1
+
+    strict = EnginePool([ReferenceEngine(base_dir), Dying("http://dying:8000")], min_engines=2)
+    with pytest.raises(EngineUnavailableError, match="fewer than min_engines=2"):
+        asyncio.run(verify_delivery(strict, policy, adapter=None, tolerance=FP32_TOLERANCE))
