@@ -10,12 +10,15 @@ rollout batch (on-policy: graft with max_staleness 0, so neither side overlaps a
   apply) / verify (the delivery check, beside the next rollout) from metrics.jsonl.
 - graft-async: the same with `rollout.max_staleness: 1` (the next batch is sampled with the
   previous version while the update and the sync run).
+- graft-merged: on-policy with `sync.mode: merged` (rollouts through plain weights, which vLLM-CPU
+  samples faster than through an adapter; each sync merges and reloads the whole model).
 - TRL: `graft.bench.trl_worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
   split = generation + scoring / the rest.
 - floor: what no vLLM-based step can beat — the step's prompts and samples generated in one
   plain `/v1/completions` call (unseeded; the server's own time for the batch, through an
-  adapter), plus graft's median update time. graft's rollout / that call and step / floor say
-  how much of a step is graft's own overhead.
+  adapter; "floor (base)": through the base weights, the merged side's), plus graft's median
+  update time. graft's rollout / that call and step / floor say how much of a step is graft's own
+  overhead.
 
 Runs interleave A B A B over the repetitions; the first `warmup` steps of every run are dropped and
 the medians are taken over the remaining steps of all repetitions.
@@ -94,16 +97,26 @@ def trl_spec(base: Path, workload: Workload, steps: int, seed: int) -> dict:
             "max_new_tokens": workload.max_new_tokens, "mini_batches": 1, "lr": LR, **LORA, "steps": steps}
 
 
-# rollout.max_staleness of each graft side.
-STALENESS = {"graft": 0, "graft-async": 1}
-SIDES = (*STALENESS, "trl")
+@dataclass(frozen=True)
+class GraftSide:
+    """How one graft side runs: its staleness bound and sync mode; `served` is what its rollouts
+    sample through ("adapter", or "base" weights for merged sync), so which one-call floor applies."""
+
+    max_staleness: int
+    sync_mode: str
+    served: str
+
+
+GRAFT_SIDES = {"graft": GraftSide(0, "adapter", "adapter"), "graft-async": GraftSide(1, "adapter", "adapter"),
+               "graft-merged": GraftSide(0, "merged", "base")}
+SIDES = (*GRAFT_SIDES, "trl")
 
 
 def graft_steps(base: Path, url: str, workload: Workload, steps: int, seed: int, run_dir: Path,
-                max_staleness: int = 0) -> list[dict]:
+                max_staleness: int = 0, sync_mode: str = "adapter") -> list[dict]:
     """Per-step rows {seconds, rollout/train/sync/verify seconds, completion_tokens_mean} of one graft run."""
     overrides = [*graft_overrides(base, url, workload, steps, seed, name=f"e2e-{run_dir.name}"),
-                 f"rollout.max_staleness={max_staleness}"]
+                 f"rollout.max_staleness={max_staleness}", f"sync.mode={sync_mode}"]
     config = load_config(None, overrides)
     asyncio.run(train(config, run_dir))
     completions = workload.prompts * workload.samples
@@ -119,21 +132,24 @@ def trl_steps(python: Path, base: Path, workload: Workload, steps: int, seed: in
     return run_trl(python, trl_spec(base, workload, steps, seed), work)["steps"]
 
 
-def summarise(workload: Workload, measured: dict[str, list[list[dict]]], one_call: list[float]) -> dict:
+def summarise(workload: Workload, measured: dict[str, list[list[dict]]], one_call: dict[str, list[float]]) -> dict:
     """Medians over the measured steps of every repetition, per side; the ratios trl / graft; the
-    floor (one engine call for the batch + graft's update) and each graft side's step / floor."""
+    floors (one engine call for the batch, through the adapter and through the base weights, +
+    graft's update) and each graft side's step / its floor."""
     row = asdict(workload)
     for side, runs in measured.items():
         steps = [step for run in runs for step in run]
         row[f"{side}_seconds_per_step"] = statistics.median(s["seconds"] for s in steps)
         row[side] = {key: statistics.median(s[key] for s in steps) for key in (*SPLIT, "completion_tokens_mean")}
         row[side]["repetition_medians"] = [statistics.median(s["seconds"] for s in run) for run in runs]
-    row["one_call_seconds"] = statistics.median(one_call)
-    row["floor_seconds"] = row["one_call_seconds"] + row["graft"]["train_seconds"]
-    for side in ("graft", "graft-async"):
+    for served, suffix in (("adapter", ""), ("base", "_base")):
+        row[f"one_call{suffix}_seconds"] = statistics.median(one_call[served])
+        row[f"floor{suffix}_seconds"] = row[f"one_call{suffix}_seconds"] + row["graft"]["train_seconds"]
+    for side, setting in GRAFT_SIDES.items():
+        suffix = "_base" if setting.served == "base" else ""
         row[f"{side}_ratio"] = row["trl_seconds_per_step"] / row[f"{side}_seconds_per_step"]
-        row[f"{side}_over_floor"] = row[f"{side}_seconds_per_step"] / row["floor_seconds"]
-        row[f"{side}_rollout_over_one_call"] = row[side]["rollout_seconds"] / row["one_call_seconds"]
+        row[f"{side}_over_floor"] = row[f"{side}_seconds_per_step"] / row[f"floor{suffix}_seconds"]
+        row[f"{side}_rollout_over_one_call"] = row[side]["rollout_seconds"] / row[f"one_call{suffix}_seconds"]
     row["ratio"] = row["graft_ratio"]
     return row
 
@@ -160,19 +176,24 @@ def one_call_seconds(url: str, base: Path, adapter: str, workload: Workload, cal
 
 def _one_workload(base: Path, urls: dict[str, str], adapter: str, workload: Workload, repeats: int, steps: int,
                   warmup: int, work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]], list[float]]:
-    """Every side's measured steps over the repetitions (interleaved), and the one-call seconds on
-    the on-policy side's server. `urls`: the server of each graft side."""
+    """Every side's measured steps over the repetitions (interleaved), and the one-call seconds
+    (through `adapter` and through the base weights) on the on-policy side's server. `urls`: the
+    server of each graft side. A merged run's server gets the base weights back after it."""
     measured: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
-    one_call: list[float] = []
+    one_call: dict[str, list[float]] = {"adapter": [], "base": []}
     for rep in range(repeats):
-        one_call += one_call_seconds(urls["graft"], base, adapter, workload)
+        one_call["adapter"] += one_call_seconds(urls["graft"], base, adapter, workload)
+        one_call["base"] += one_call_seconds(urls["graft"], base, str(base), workload)
         for side in SIDES:
             run_dir = work / f"{workload.name}-{side}-{rep}"
             if side == "trl":
                 steps_rows = trl_steps(python, base, workload, steps, rep, run_dir)
             else:
+                setting = GRAFT_SIDES[side]
                 steps_rows = graft_steps(base, urls[side], workload, steps, rep, run_dir,
-                                         max_staleness=STALENESS[side])
+                                         max_staleness=setting.max_staleness, sync_mode=setting.sync_mode)
+                if setting.sync_mode == "merged":
+                    asyncio.run(_reload_base(urls[side], base))
             measured[side].append(steps_rows[warmup:])
             report(f"{workload.name} {side:11s} repetition {rep + 1}: "
                    f"{statistics.median(s['seconds'] for s in steps_rows[warmup:]):.3f} s/step")
@@ -184,14 +205,15 @@ def reserved_cores_per_side(base: Path) -> dict[str, int | None]:
     (`rollout.cpu_reserved_cores: auto`): every core on-policy from 10M parameters, vLLM's default
     (None) otherwise — so each side runs as `graft train` would, not on one shared setting."""
     parameters = checkpoint_parameters(base)
-    return {side: RolloutConfig(max_staleness=staleness).resolved_cpu_reserved_cores(parameters)
-            for side, staleness in STALENESS.items()}
+    return {side: RolloutConfig(max_staleness=setting.max_staleness).resolved_cpu_reserved_cores(parameters)
+            for side, setting in GRAFT_SIDES.items()}
 
 
 @contextmanager
 def _servers(base: Path, adapter_dir: Path, work: Path, reserved: dict[str, int | None], console: Console):
-    """One vLLM-CPU server per distinct reserved-cores setting, the adapter loaded in each; yields
-    {graft side: url}."""
+    """One vLLM-CPU server per distinct reserved-cores setting, the adapter loaded in each, the dev
+    endpoints on (merged sync reloads weights; the servers are the bench's own, on loopback);
+    yields {graft side: url}."""
     started: dict[int | None, VllmServer] = {}
     try:
         for setting in dict.fromkeys(reserved.values()):
@@ -201,7 +223,7 @@ def _servers(base: Path, adapter_dir: Path, work: Path, reserved: dict[str, int 
             log_dir.mkdir()
             started[setting] = VllmServer(VllmServerConfig(
                 model=str(base), dtype="float32", max_lora_rank=max(8, LORA["rank"]), max_loras=4,
-                log_dir=log_dir, cpu_reserved_cores=setting)).start()
+                log_dir=log_dir, cpu_reserved_cores=setting, dev_endpoints=True)).start()
             asyncio.run(_load(started[setting].url, ADAPTER, adapter_dir))
         yield {side: started[setting].url for side, setting in reserved.items()}
     finally:
@@ -243,6 +265,11 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
 
 
+async def _reload_base(url: str, base: Path) -> None:
+    async with VllmClient(url) as client:
+        await client.reload_weights(str(base))
+
+
 async def _load(url: str, name: str, path: Path) -> None:
     async with VllmClient(url) as client:
         await client.load_adapter(name, str(path))
@@ -263,6 +290,8 @@ def print_e2e_report(result: dict) -> None:
                           f"{row[f'{side}_ratio']:.2f}x" if graft_side else "",
                           f"{row[f'{side}_over_floor']:.2f}" if graft_side else "",
                           f"{row[f'{side}_rollout_over_one_call']:.2f}" if graft_side else "")
-        table.add_row("", row["name"], "floor", f"{row['floor_seconds']:.3f}", f"{row['one_call_seconds']:.3f}",
-                      f"{row['graft']['train_seconds']:.3f}", "", "", "", "", "", "")
+        for label, suffix in (("floor", ""), ("floor (base)", "_base")):
+            table.add_row("", row["name"], label, f"{row[f'floor{suffix}_seconds']:.3f}",
+                          f"{row[f'one_call{suffix}_seconds']:.3f}", f"{row['graft']['train_seconds']:.3f}",
+                          "", "", "", "", "", "")
     Console(width=max(Console().width, 140)).print(table)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from graft.bench.e2e import (
     Workload,
+    _reload_base,
     graft_overrides,
     graft_steps,
     one_call_seconds,
@@ -60,9 +61,9 @@ def test_each_graft_side_gets_the_server_setting_graft_train_would_launch(tmp_pa
 
     # The quickstart-sized base keeps vLLM's default on both sides; from 10M parameters the
     # on-policy side generates on every core while the overlapped side keeps vLLM's default.
-    assert reserved_cores_per_side(base_dir) == {"graft": None, "graft-async": None}
+    assert reserved_cores_per_side(base_dir) == {"graft": None, "graft-async": None, "graft-merged": None}
     big = build_tiny_model(tmp_path / "big", arch="qwen2", hidden=512, layers=8, seed=0)
-    assert reserved_cores_per_side(big) == {"graft": 0, "graft-async": None}
+    assert reserved_cores_per_side(big) == {"graft": 0, "graft-async": None, "graft-merged": 0}
 
 
 def test_trl_prompts_tokenize_like_graft_and_score_with_graft_reward(base_dir):
@@ -88,7 +89,9 @@ def test_summarise_takes_medians_over_repetitions_the_ratios_and_the_floor():
                 "sync_seconds": 0.1, "verify_seconds": 0.05, "completion_tokens_mean": 4.0}
     row = summarise(WORKLOAD, {"graft": [[step(1.0), step(2.0)], [step(3.0)]],
                                "graft-async": [[step(1.0)], [step(1.0)]],
-                               "trl": [[step(4.0), step(9.0)], [step(5.0)]]}, one_call=[0.2, 0.5, 0.3])
+                               "graft-merged": [[step(0.8)], [step(0.8)]],
+                               "trl": [[step(4.0), step(9.0)], [step(5.0)]]},
+                    one_call={"adapter": [0.2, 0.5, 0.3], "base": [0.1, 0.2]})
     assert row["graft_seconds_per_step"] == 2.0 and row["trl_seconds_per_step"] == 5.0 and row["ratio"] == 2.5
     assert row["graft-async_ratio"] == 5.0
     assert row["graft"]["rollout_seconds"] == 1.0 and row["graft"]["repetition_medians"] == [1.5, 3.0]
@@ -97,6 +100,10 @@ def test_summarise_takes_medians_over_repetitions_the_ratios_and_the_floor():
     assert row["one_call_seconds"] == 0.3 and row["floor_seconds"] == pytest.approx(0.3 + 0.5)
     assert row["graft_over_floor"] == pytest.approx(2.0 / 0.8)
     assert row["graft-async_over_floor"] == pytest.approx(1 / 0.8)
+    # the merged side samples through the base weights: its floor is that call's + the update
+    assert row["floor_base_seconds"] == pytest.approx(0.15 + 0.5)
+    assert row["graft-merged_over_floor"] == pytest.approx(0.8 / 0.65) and row["graft-merged_ratio"] == 5.0 / 0.8
+    assert row["graft-merged_rollout_over_one_call"] == pytest.approx(0.4 / 0.15)
     assert row["graft_rollout_over_one_call"] == pytest.approx(1.0 / 0.3)
 
 
@@ -119,6 +126,11 @@ def test_learning_curve_counts_step_seconds_only(tmp_path):
 def test_both_sides_run_a_real_short_step_loop(vllm_server, base_dir, tmp_path):
     graft_rows = graft_steps(base_dir, vllm_server.url, WORKLOAD, 2, 0, tmp_path / "graft")
     graft_steps(base_dir, vllm_server.url, WORKLOAD, 3, 0, tmp_path / "graft-async", max_staleness=1)
+    try:
+        graft_steps(base_dir, vllm_server.url, WORKLOAD, 2, 0, tmp_path / "graft-merged", sync_mode="merged")
+    finally:
+        asyncio.run(_reload_base(vllm_server.url, base_dir))  # as the bench does after a merged run
+    assert {r["sync_mode"] for r in read_jsonl(tmp_path / "graft-merged" / "metrics.jsonl")} == {"merged"}
     python = trl_python(default_cache_dir())
     trl_rows = trl_steps(python, base_dir, WORKLOAD, 2, 0, tmp_path / "trl")
     assert [r["staleness_max"] for r in read_jsonl(tmp_path / "graft-async" / "metrics.jsonl")] == [0, 1, 1]
