@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,16 @@ class _Task:
     env: EnvFactory | None = None  # data.env: multi-turn episodes scored by the environment (graft.train.episode_batch)
 
 
+@dataclass(frozen=True)
+class _Checking:
+    """A synced step whose delivery check is still running: `check` gives the sync metrics, `row`
+    turns them into the step's metrics row."""
+
+    step: int
+    check: asyncio.Future
+    row: Callable[[dict], dict]
+
+
 class _Leader:
     """Rank 0's loop: the engines, the sync, the run directory, around the policy's collectives."""
 
@@ -76,6 +88,7 @@ class _Leader:
                  engine: RolloutEngine) -> None:
         self.config, self.run_dir, self.policy, self.task, self.engine = config, run_dir, policy, task, engine
         self.sync = PolicySync(config, engine, run_dir)
+        self._checking: _Checking | None = None
 
     async def run(self) -> dict:
         config, train, policy, sync = self.config, self.config.train, self.policy, self.sync
@@ -99,39 +112,62 @@ class _Leader:
                     for step in range(first_step, train.steps + 1):
                         reward, sync_seconds = await self._step(step, producer)
                         progress.update(bar, completed=step, reward=reward, sync=sync_seconds)
+                    await self._checked()
             self.log.add_eval(train.steps, await self._evaluate())
             # Only a finished run unloads its adapters: after an error the engines keep serving the
             # last good version; the next run with this lora.name unloads what is left (graft.sync.adapter).
             await sync.close()
         finally:
+            if self._checking is not None:  # the run failed with a check pending: nobody reads it
+                self._checking.check.add_done_callback(lambda check: check.cancelled() or check.exception())
+                self._checking.check.cancel()
             self.log.close()
         return {"accuracy_before": self.log.accuracy_at(0), "accuracy_after": self.log.accuracy_at(train.steps),
                 "steps": train.steps, "resumed_from": first_step - 1}
 
     async def _step(self, step: int, producer: RolloutProducer) -> tuple[float, float]:
-        """Batch → update → sync (verified) → checkpoint → metrics row; (reward mean, sync seconds)."""
+        """Batch → update → sync → checkpoint, the sync's delivery check left running (its metrics
+        row is written when it ends); (reward mean, sync seconds without the check)."""
         policy, sync, train = self.policy, self.sync, self.config.train
         batch = await producer.get(step)
+        await self._checked()  # the last version's check passed before an update (see below)
         train_metrics = await asyncio.to_thread(policy.learn, batch, step)
         # A sync that changes what running requests compute (a merged reload) must not land in the
         # middle of a batch: its samples would mix two versions.
         lock = producer.engine_lock if sync.mode.needs_engine_lock else contextlib.nullcontext()
         async with lock:
             applied = await sync.apply(policy.source, step, step=step)
-        # The next rollout starts on the new version now and the delivery check runs beside it: its
-        # probe shares the engine's steps with the rollout (measured at 25M parameters: verifying
-        # first took 0.27 s of a 0.30 s sync, 8 probe tokens decoded alone). A failed check raises
-        # here, before that batch is consumed.
+        # On-policy, the next rollout starts on the new version now and the delivery check runs
+        # beside it, while the trainer waits for that batch anyway: the probe shares the engine's
+        # steps with the rollout (measured at 25M parameters: verifying first took 0.27 s of a
+        # 0.30 s sync, 8 probe tokens decoded alone). A batch of this version is trained on only
+        # once the check has passed (`_checked` before `learn`). Overlapped, the check ends first:
+        # the next update would change the policy its forward reads, and the probe would queue
+        # behind the next batch (measured at 25M: 3.6 s of a 16.7 s step). Sharded, its forward is
+        # a collective, so it ends before the checkpoint's begin.
+        check = asyncio.ensure_future(sync.confirm(applied))
+        if self.config.rollout.max_staleness > 0 or policy.ctx.active:
+            await asyncio.wait([check])
         await producer.published(step)
-        sync_metrics = await sync.confirm(applied)
         await asyncio.to_thread(policy.maybe_checkpoint, step)
         now = time.perf_counter()
-        self.log.write(_row(step, batch, train_metrics, sync_metrics, producer.dropped, now - self._last))
-        self._last = now
+        row = functools.partial(_row, step, batch, train_metrics, dropped=producer.dropped,
+                                step_seconds=now - self._last)
+        self._checking, self._last = _Checking(step, check, row), now
         if train.eval_every and step % train.eval_every == 0 and step != train.steps:
+            await self._checked()
             self.log.add_eval(step, await self._evaluate())
             self._last = time.perf_counter()  # step_seconds measure training, not evaluation
-        return batch.rewards_PG.mean().item(), sync_metrics["sync_seconds"]
+        return batch.rewards_PG.mean().item(), applied.result.seconds
+
+    async def _checked(self) -> None:
+        """Wait for the running delivery check, if any, and write its step's metrics row; a failed
+        check raises here."""
+        pending = self._checking
+        if pending is None:
+            return
+        self._checking = None
+        self.log.write(pending.row(await pending.check))
 
     async def _make_batch(self, step: int, version: int) -> RolloutBatch:
         """The batch of `step`, sampled from policy `version` (the producer picks the version): with

@@ -328,12 +328,13 @@ def test_only_a_large_model_fixes_the_mmap_threshold_unless_told(tmp_path, monke
 def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its_batch(base_dir, tmp_path,
                                                                                        monkeypatch):
     """On-policy, the check of version v runs while step v+1's batch is sampled from v (its probe
-    shares the engine's steps); a failed check stops the run before that batch is trained on."""
+    shares the engine's steps); overlapped, it ends first; a failed check stops the run before a
+    batch of its version is trained on."""
     from graft.sync import policy_sync
     from graft.sync.verify import DeliveryError
     from graft.train.policy import PolicyState
 
-    sampling, learned = {}, []
+    sampling, learned, checked_before = {}, [], []
     real_build, real_learn = trainer.build_rollout_batch, PolicyState.learn
 
     async def build(*args, version, **kwargs):
@@ -346,8 +347,9 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
 
     async def check(engine, source, *, adapter, tolerance, warn_only):
         version = int(adapter.rsplit("-v", 1)[1])
-        if 1 <= version < 3:  # a version a later step samples from; without the overlap this times out
+        if not overlapped and 1 <= version < 3:  # a version a later step samples from
             await asyncio.wait_for(sampling.setdefault(version, asyncio.Event()).wait(), timeout=30)
+        checked_before.append((version, list(learned), version in sampling))
         if version == failing:
             raise DeliveryError("probe gap", address="reference")
         return 0.0
@@ -356,9 +358,19 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
     monkeypatch.setattr(PolicyState, "learn", learn)
     monkeypatch.setattr(policy_sync, "verify_delivery", check)
     overrides = [f"model.path={base_dir}", *_TINY_RUN, "train.steps=3"]
-    failing = None
+    failing, overlapped = None, False
     asyncio.run(train(load_config(None, overrides), tmp_path / "ok"))
     assert learned == [1, 2, 3] and [r["policy_version"] for r in _rows(tmp_path / "ok")] == [1, 2, 3]
+
+    # On-policy every check ended before the next update; overlapped too, and before the version was
+    # sampled from (the update would change the policy the check reads; the probe would queue).
+    assert [(v, done) for v, done, _ in checked_before[1:]] == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
+    overlapped, learned[:], checked_before[:] = True, [], []
+    sampling.clear()
+    asyncio.run(train(load_config(None, [*overrides, "rollout.max_staleness=1"]), tmp_path / "overlapped"))
+    assert learned == [1, 2, 3] and [r["step"] for r in _rows(tmp_path / "overlapped")] == [1, 2, 3]
+    assert checked_before[1:] == [(1, [1], False), (2, [1, 2], False), (3, [1, 2, 3], False)]
+    overlapped = False
 
     failing, learned[:] = 1, []
     sampling.clear()
