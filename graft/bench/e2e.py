@@ -175,7 +175,8 @@ def one_call_seconds(url: str, base: Path, adapter: str, workload: Workload, cal
 
 
 def _one_workload(base: Path, urls: dict[str, str], adapter: str, workload: Workload, repeats: int, steps: int,
-                  warmup: int, work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]], list[float]]:
+                  warmup: int, work: Path, python: Path, report) -> tuple[dict[str, list[list[dict]]],
+                                                                          dict[str, list[float]]]:
     """Every side's measured steps over the repetitions (interleaved), and the one-call seconds
     (through `adapter` and through the base weights) on the on-policy side's server. `urls`: the
     server of each graft side. A merged run's server gets the base weights back after it."""
@@ -233,8 +234,8 @@ def _servers(base: Path, adapter_dir: Path, work: Path, reserved: dict[str, int 
 
 def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
-    """Seconds per step of graft (on-policy and max_staleness 1) and TRL for each (hidden, layers)
-    model and workload, interleaved A B C A B C over `repeats`, and the floor next to them."""
+    """Seconds per step of each graft side (`GRAFT_SIDES`) and TRL for each (hidden, layers) model
+    and workload, interleaved A B C D A B C D over `repeats`, and the floors next to them."""
     from graft.quickstart.base import default_cache_dir
 
     console = Console(stderr=True)
@@ -261,7 +262,7 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
                                  **summarise(workload, measured, one_call)})
     return {"lora": LORA, "lr": LR, "dtype": "float32", "repeats": repeats, "steps_per_run": steps,
             "warmup_steps": warmup, "trl_version": TRL_VERSION,
-            "graft_engine": "vLLM-CPU (one server, adapter sync + verify every step)",
+            "graft_engine": "vLLM-CPU (a server per reserved-cores setting; adapter or merged sync, verified)",
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
 
 
