@@ -336,7 +336,7 @@ def _add_quickstart_command(sub) -> None:
                        description="Build (once, cached) a small base model by short supervised training on "
                                    "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
                                    "and report held-out accuracy before and after. Writes RUN_DIR/quickstart.json "
-                                   "and RUN_DIR/reward.png. About 7-8 minutes on 2 CPU cores (plus 1-5 to build "
+                                   "and RUN_DIR/reward.png. 2-8 minutes on 2 CPU cores, by CPU (plus 0.5-5 to build "
                                    "the base). --task tools: multi-turn calculator episodes instead (a base that "
                                    "watched a teacher use the tool; held-out reward of greedy episodes; ~6 "
                                    "minutes, its ~3.5-minute warm-up included).")
