@@ -1,12 +1,13 @@
 """The run's metrics: RUN_DIR/metrics.jsonl (one JSON object per optimizer step), RUN_DIR/eval.jsonl
 (held-out accuracy), TensorBoard event files in RUN_DIR/tensorboard, and RUN_DIR/reward.png
-redrawn after every step.
+redrawn at most every `PLOT_EVERY_S` seconds, at every evaluation and when the log closes.
 """
 
 from __future__ import annotations
 
 import json
 import numbers
+import time
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +26,10 @@ REQUIRED_KEYS = (
 
 
 SMOOTHING = 10  # steps in the reward curve's moving average
+# Drawing reward.png takes 0.083 s here (matplotlib Agg, 2 cores), on the step's critical path: drawn
+# after every row it was 28% of a 0.30 s step (0.7M model, 1 x 8 x 16). The rows themselves (jsonl,
+# TensorBoard) cost 0.002 s and are written every step.
+PLOT_EVERY_S = 15.0
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,6 +58,7 @@ class MetricsLog:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         atomic_write_text(self.eval_path, "".join(json.dumps({"step": s, "accuracy": a}) + "\n" for s, a in self.evals))
         self._tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", purge_step=keep_through_step + 1)
+        self._plotted_at = float("-inf")
 
     def write(self, row: dict) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in row]
@@ -64,7 +70,8 @@ class MetricsLog:
             if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
                 self._tensorboard.add_scalar(f"train/{key}", value, row["step"])
         self._tensorboard.flush()
-        self.plot()
+        if time.monotonic() - self._plotted_at >= PLOT_EVERY_S:
+            self.plot()
 
     def add_eval(self, step: int, accuracy: float) -> None:
         self.evals.append((step, accuracy))
@@ -80,9 +87,11 @@ class MetricsLog:
         return found[-1] if found else None
 
     def close(self) -> None:
+        self.plot()
         self._tensorboard.close()
 
     def plot(self) -> None:
+        self._plotted_at = time.monotonic()
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         if self.rows:
             steps = [r["step"] for r in self.rows]

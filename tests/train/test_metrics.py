@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from graft.train import metrics
 from graft.train.metrics import REQUIRED_KEYS, MetricsLog, read_jsonl
 
 
@@ -23,6 +24,30 @@ def test_rows_and_evaluations_are_appended_as_json_lines_and_plotted(tmp_path):
     assert log.accuracy_at(0) == 0.25 and log.accuracy_at(2) == 0.5 and log.accuracy_at(1) is None
     assert (tmp_path / "reward.png").read_bytes().startswith(b"\x89PNG")
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_the_plot_is_redrawn_at_most_every_plot_every_s_and_at_evaluations_and_close(tmp_path, monkeypatch):
+    """Drawing reward.png is on the step's critical path (0.083 s here): rows in quick succession
+    draw it once; an evaluation and the end of the run always draw it."""
+    monkeypatch.setattr(metrics, "PLOT_EVERY_S", 3600.0)
+    log = MetricsLog(tmp_path)
+    drawn = []
+    real_plot = log.plot
+    monkeypatch.setattr(log, "plot", lambda: (drawn.append(len(log.rows)), real_plot()))
+    for step in (1, 2, 3):
+        log.write(_row(step))
+    assert drawn == [1] and (tmp_path / "reward.png").is_file()
+    log.add_eval(3, 0.5)
+    log.write(_row(4))
+    log.close()
+    assert drawn == [1, 3, 4]
+    monkeypatch.setattr(metrics, "PLOT_EVERY_S", 0.0)
+    log = MetricsLog(tmp_path, keep_through_step=4)
+    monkeypatch.setattr(log, "plot", lambda: drawn.append(len(log.rows)))
+    log.write(_row(5))
+    log.write(_row(6))
+    assert drawn[-2:] == [5, 6]
+    log.close()
 
 
 def test_a_row_without_a_contract_key_is_refused(tmp_path):
