@@ -87,7 +87,8 @@ class MetricsLog:
         return found[-1] if found else None
 
     def close(self) -> None:
-        self.plot()
+        if self.rows or self.evals:  # the rows since the last draw
+            self.plot()
         self._tensorboard.close()
 
     def plot(self) -> None:
