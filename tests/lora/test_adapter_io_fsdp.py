@@ -3,13 +3,13 @@
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, load_adapter_weights, save_adapter
 from graft.lora.attach import lora_parameters
 from graft.train.distributed import full_tensor, shard_like
 from tests.helpers import trained_like_peft_model
+from tests.spawn import spawn_ranks
 
 WORLD = 2
 
@@ -38,7 +38,7 @@ def _rank_main(rank: int, model_dir, out_dir, init_file) -> None:
 
 def test_fsdp2_sharded_save_equals_single_process_save(tiny_model_dirs, tmp_path):
     model_dir = tiny_model_dirs["qwen2"]
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous"), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous"), WORLD)
     save_adapter(trained_like_peft_model(model_dir), tmp_path / "single")
     single = safetensors.torch.load_file(tmp_path / "single" / ADAPTER_WEIGHTS)
     for name in ("sharded", "reloaded"):

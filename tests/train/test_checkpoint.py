@@ -11,7 +11,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from graft.lora.attach import attach_lora, lora_parameters
@@ -26,6 +25,7 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from tests.spawn import spawn_ranks
 
 WORLD = 2
 STATE = {"step": 3, "policy_version": 3, "data_cursor": 6}
@@ -224,7 +224,7 @@ def test_fsdp2_checkpoints_load_across_world_sizes(tiny_model_dirs, tmp_path):
     finally:
         torch.set_num_threads(threads)
     single = save_checkpoint(tmp_path / "single", model, optimizer, STATE, step=3)
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous"), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous"), WORLD)
 
     resaved = tmp_path / "resaved" / "step-000003"
     for name in (OPTIMIZER_TENSORS, f"{ADAPTER_DIR}/adapter_model.safetensors"):

@@ -11,7 +11,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
@@ -19,6 +18,7 @@ from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallel
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import trained_like_peft_model
+from tests.spawn import spawn_ranks
 
 WORLD = 2
 UPDATES = 3
@@ -93,8 +93,7 @@ def test_two_ranks_packed_update_like_one_padded(tiny_model_dirs, tmp_path, n_pr
 
 
 def _assert_two_ranks_like_one(model_dir, tmp_path, n_prompts, group, sharded_overrides, single_overrides):
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, sharded_overrides),
-             nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, sharded_overrides), WORLD)
     assert_like_one_process(model_dir, tmp_path, n_prompts, group, single_overrides)
 
 

@@ -8,7 +8,6 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
@@ -23,6 +22,7 @@ from graft.train.episode_batch import build_episode_batch, episode_sampling_para
 from graft.train.trainer import train
 from graft.train.update import policy_update
 from tests.helpers import trained_like_peft_model
+from tests.spawn import spawn_ranks
 from tests.train.test_loss_mask import _episodes
 
 
@@ -86,7 +86,7 @@ def _broadcast_main(rank: int, init_file, out_dir) -> None:
 
 
 def test_the_loss_masks_reach_every_rank(tmp_path):
-    mp.spawn(_broadcast_main, args=(tmp_path / "rendezvous", tmp_path), nprocs=2, join=True)
+    spawn_ranks(_broadcast_main, (tmp_path / "rendezvous", tmp_path), 2)
     assert json.loads((tmp_path / "got.json").read_text()) == {"same": True, "mask_truncated": False}
 
 

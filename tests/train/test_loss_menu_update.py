@@ -8,7 +8,6 @@ import json
 import pytest
 import safetensors.torch
 import torch
-import torch.multiprocessing as mp
 
 from graft.config import load_config
 from graft.lora.attach import adapter_disabled, lora_parameters
@@ -17,6 +16,7 @@ from graft.rl.losses import LossOptions
 from graft.train.distributed import Dist
 from graft.train.update import policy_update
 from tests.helpers import trained_like_peft_model
+from tests.spawn import spawn_ranks
 from tests.train.test_distributed import _COMPARED, WORLD, _batch, _rank_main, _updates
 
 # Two optimizer steps per batch (the second mini-batch's ratio is off 1: the clip and the old policy matter) and
@@ -76,8 +76,7 @@ def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
     """FSDP2 over 2 CPU ranks: the losses, metrics and LoRA weights of one process (<= 1e-5)."""
     model_dir = tiny_model_dirs["qwen2"]
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, overrides),
-             nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, overrides), WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: same kernels, same rounding
     try:

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from graft.config import load_config
@@ -16,6 +15,7 @@ from graft.models.loading import load_model
 from graft.train.distributed import Dist, broadcast_batch, mixed_precision, parallelize
 from graft.train.update import policy_update
 from tests.helpers import randomize_lora
+from tests.spawn import spawn_ranks
 from tests.train.test_distributed import _batch
 
 WORLD = 2
@@ -82,7 +82,7 @@ def _rank_main(rank: int, model_dir, out_dir, init_file) -> None:
 
 def test_two_ranks_compute_in_bf16_and_keep_fp32_lora_gradients_and_state(tiny_model_dirs, tmp_path):
     model_dir = tiny_model_dirs["qwen2"]
-    mp.spawn(_rank_main, args=(model_dir, tmp_path, tmp_path / "rendezvous"), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous"), WORLD)
     single = _update_recording_dtypes(model_dir, "float32", Dist())
     for rank in range(WORLD):
         sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())

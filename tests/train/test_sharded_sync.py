@@ -11,7 +11,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from graft.config import load_config
@@ -24,6 +23,7 @@ from graft.train.distributed import Dist, full_tensor, shard_model
 from graft.train.policy import PolicyState
 from graft.train.sharded_source import Op, ShardedSource, announce, next_command, serve
 from tests.helpers import trained_like_peft_model
+from tests.spawn import spawn_ranks
 
 WORLD = 2
 MODES = ("adapter", "merged")
@@ -111,7 +111,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def test_rank_zero_publishes_and_verifies_the_one_process_bytes_without_a_model_copy(tiny_model_dirs, tmp_path):
     model_dir = tiny_model_dirs["qwen2"]
     (tmp_path / "sharded").mkdir()
-    mp.spawn(_rank_main, args=(model_dir, tmp_path / "sharded", tmp_path / "rendezvous"), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, (model_dir, tmp_path / "sharded", tmp_path / "rendezvous"), WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: same kernels, same rounding
     try:

@@ -8,15 +8,12 @@ deadlocks) fails the test instead of stalling it."""
 
 import datetime
 import json
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from peft import PeftModel
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -28,27 +25,13 @@ from graft.models.tiny import build_tiny_model
 from graft.train.distributed import Dist, clip_grad_norm, mesh_dist
 from graft.train.policy import PolicyState
 from graft.train.tensor_parallel import check_tensor_parallel
+from tests.spawn import spawn_ranks
 from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates, assert_like_one_process
 from tests.train.test_mixed_precision import _update_recording_dtypes
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
 _TIMEOUT = datetime.timedelta(seconds=120)
 
-
-def _spawn(fn, args: tuple, nprocs: int) -> None:
-    """`mp.spawn` of `fn(rank, *args)` on `nprocs` ranks, each leaving with `os._exit(0)` once `fn`
-    has returned, its results written and its process group destroyed. Measured on a 2-core AVX-512
-    machine: about 1 in 10 runs of the mesh-resume test, a finished rank aborted in the interpreter's
-    native teardown ("terminate called without an active exception", no Python frame left), after
-    everything the tests compare was written. An exception in `fn` still propagates as before."""
-    mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)
-
-
-def _run_then_exit(rank: int, fn, *args) -> None:
-    fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +59,7 @@ def _rank_main(rank: int, world: int, tp: int, model_dir, out_dir, n_prompts, gr
 
 
 def _assert_mesh_like_one(model_dir, tmp_path, world, tp, n_prompts, group, overrides) -> None:
-    _spawn(_rank_main, (world, tp, model_dir, tmp_path, n_prompts, group, overrides), world)
+    spawn_ranks(_rank_main, (world, tp, model_dir, tmp_path, n_prompts, group, overrides), world)
     assert_like_one_process(model_dir, tmp_path, n_prompts, group, overrides)
 
 
@@ -120,7 +103,7 @@ def test_dp2_tp2_bf16_base_computes_in_bf16_and_keeps_fp32_lora_state(tp_model_d
     bf16; LoRA factors, gradients and AdamW state fp32), the fp32 one-process run's metrics to bf16
     rounding."""
     model_dir = tp_model_dirs["qwen2"]
-    _spawn(_bf16_rank, (model_dir, tmp_path), 4)
+    spawn_ranks(_bf16_rank, (model_dir, tmp_path), 4)
     single = _update_recording_dtypes(model_dir, "float32", Dist())
     for rank in range(4):
         sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -191,8 +174,8 @@ def test_checkpoints_resume_across_meshes_and_published_adapters_load_in_peft(tp
             if world == 1:
                 _policy_step(Dist(), model_dir, tmp_path / "mesh", tmp_path / "mesh" / "out", step)
             else:
-                _spawn(_policy_step_rank, (world, tp, model_dir, tmp_path / "mesh", tmp_path / "mesh" / "out", step),
-                       world)
+                spawn_ranks(_policy_step_rank,
+                            (world, tp, model_dir, tmp_path / "mesh", tmp_path / "mesh" / "out", step), world)
     finally:
         torch.set_num_threads(threads)
     for step in meshes:
@@ -233,7 +216,7 @@ def test_grad_norm_joins_the_all_reduce_on_a_rank_without_gradients(tmp_path):
     """The seed's hang: torch's clip_grad_norm_ returns early on a rank with no gradients, while the
     others wait in the norm's all-reduce. Here rank 1 holds none, joins, contributes zero, and both
     ranks get the whole norm (5) and clip alike, well within the process group's timeout."""
-    _spawn(_grad_norm_rank, (tmp_path,), 2)
+    spawn_ranks(_grad_norm_rank, (tmp_path,), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["norm"] for r in ranks] == pytest.approx([5.0, 5.0])
     assert ranks[0]["clipped"] == pytest.approx(1.0, rel=1e-5) and ranks[1]["clipped"] is None
