@@ -59,6 +59,7 @@ class MetricsLog:
         atomic_write_text(self.eval_path, "".join(json.dumps({"step": s, "accuracy": a}) + "\n" for s, a in self.evals))
         self._tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", purge_step=keep_through_step + 1)
         self._plotted_at = float("-inf")
+        self._undrawn = False  # rows written since reward.png was last drawn
 
     def write(self, row: dict) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in row]
@@ -70,6 +71,7 @@ class MetricsLog:
             if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
                 self._tensorboard.add_scalar(f"train/{key}", value, row["step"])
         self._tensorboard.flush()
+        self._undrawn = True
         if time.monotonic() - self._plotted_at >= PLOT_EVERY_S:
             self.plot()
 
@@ -87,12 +89,12 @@ class MetricsLog:
         return found[-1] if found else None
 
     def close(self) -> None:
-        if self.rows or self.evals:  # the rows since the last draw
+        if self._undrawn:
             self.plot()
         self._tensorboard.close()
 
     def plot(self) -> None:
-        self._plotted_at = time.monotonic()
+        self._plotted_at, self._undrawn = time.monotonic(), False
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         if self.rows:
             steps = [r["step"] for r in self.rows]

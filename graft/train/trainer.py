@@ -76,7 +76,6 @@ class _Checking:
     """A synced step whose delivery check is still running: `check` gives the sync metrics, `row`
     turns them into the step's metrics row."""
 
-    step: int
     check: asyncio.Future
     row: Callable[[dict], dict]
 
@@ -153,7 +152,7 @@ class _Leader:
         now = time.perf_counter()
         row = functools.partial(_row, step, batch, train_metrics, dropped=producer.dropped,
                                 step_seconds=now - self._last)
-        self._checking, self._last = _Checking(step, check, row), now
+        self._checking, self._last = _Checking(check, row), now
         if train.eval_every and step % train.eval_every == 0 and step != train.steps:
             await self._checked()
             self.log.add_eval(step, await self._evaluate())
