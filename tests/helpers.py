@@ -1,11 +1,14 @@
 """Test helpers shared across the suite (plain functions; fixtures live in conftest.py)."""
 
+import asyncio
+import gc
 import subprocess
 
 import torch
 
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
+from graft.rollout.engine import EngineUnavailableError
 
 
 def randomize_lora(model: torch.nn.Module, seed: int = 1, std: float = 0.05) -> None:
@@ -59,3 +62,31 @@ def hf_cache_with(root, repo_id: str, model_dir) -> str:
     snapshot = repo / "snapshots" / commit
     shutil.copytree(model_dir, snapshot)
     return str(snapshot)
+
+
+def unretrieved_task_errors(outer_coro_of) -> list[str]:
+    """Runs outer_coro_of(call) where coroutine function `call` fails in the same loop pass that the outer task is
+    cancelled (a killed server fails every request at once while a sibling's failure cancels the
+    rest); the "exception was never retrieved" reports the loop makes once the tasks are collected."""
+    reports = []
+
+    async def run():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context["message"]))
+        gate = asyncio.Event()
+
+        async def call():
+            await gate.wait()
+            raise EngineUnavailableError("POST /v1/completions: ReadError('')", address="http://e")
+
+        outer = asyncio.ensure_future(outer_coro_of(call))
+        for _ in range(3):  # the outer task starts its call and waits on it
+            await asyncio.sleep(0)
+        gate.set()  # the call fails in the next pass ...
+        outer.cancel()  # ... the pass in which the outer task is cancelled
+        await asyncio.gather(outer, return_exceptions=True)
+        del outer
+        gc.collect()
+
+    asyncio.run(run())
+    return reports
+

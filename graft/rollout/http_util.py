@@ -34,6 +34,15 @@ def server_message(text: str) -> str:
     return text.strip()
 
 
+async def settle(task: asyncio.Future) -> None:
+    """Cancel `task` if it still runs, wait for it and mark its outcome read. A task that failed in
+    the loop pass in which its waiter was cancelled is otherwise reported at exit as "Task exception
+    was never retrieved", with a traceback under the run's one error line (seen when a killed vLLM
+    server failed every request at once)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def gather_cancel_on_error(coros: Iterable[Awaitable[Any]]) -> list[Any]:
     """`asyncio.gather` in input order; when one fails, the siblings are cancelled (not orphaned)
     and awaited, then the failure is re-raised."""
@@ -128,6 +137,4 @@ async def answer_while_alive(call: Awaitable[T], health: Callable[[], Awaitable[
                 raise EngineUnavailableError(f"no answer to a generation for {every_s:g} s, then the health "
                                              f"check failed: {status.detail}", address=address)
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await settle(task)

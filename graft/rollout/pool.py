@@ -40,7 +40,7 @@ from graft.rollout.engine import (
     GenerateRequest,
     RolloutEngine,
 )
-from graft.rollout.http_util import gather_cancel_on_error
+from graft.rollout.http_util import gather_cancel_on_error, settle
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,7 @@ class EnginePool:
                                       f"failed: {health.detail}", address=self.addresses[i])
         finally:
             self._running[i].discard(task)
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await settle(task)
 
     # -- failover -------------------------------------------------------------------------------
 

@@ -7,8 +7,15 @@ import json
 import httpx
 import pytest
 
-from graft.rollout.engine import BadRequestError, EngineError, EngineUnavailableError
-from graft.rollout.http_util import error_class_for_status, gather_cancel_on_error, send, server_message
+from graft.rollout.engine import BadRequestError, EngineError, EngineHealth, EngineUnavailableError
+from graft.rollout.http_util import (
+    answer_while_alive,
+    error_class_for_status,
+    gather_cancel_on_error,
+    send,
+    server_message,
+)
+from tests.helpers import unretrieved_task_errors
 
 DETAIL = [{"loc": ["body", "lora_name"], "msg": "field required"}]
 
@@ -111,3 +118,11 @@ def test_send_never_retries_once_the_request_may_have_been_served(failure, words
                                          (503, EngineUnavailableError), (302, EngineError)])
 def test_error_class_for_status(status, cls):
     assert error_class_for_status(status) is cls
+
+
+def test_a_call_failing_as_its_waiter_is_cancelled_leaves_no_unretrieved_exception():
+    async def healthy():
+        return EngineHealth("http://e", True, ())
+
+    reports = unretrieved_task_errors(lambda call: answer_while_alive(call(), healthy, every_s=10, address="http://e"))
+    assert reports == []

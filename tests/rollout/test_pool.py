@@ -21,6 +21,7 @@ from graft.rollout.engine import (
 )
 from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
 from graft.rollout.sglang_client import SglangClient
+from tests.helpers import unretrieved_task_errors
 
 
 class FakeEngine:
@@ -262,3 +263,19 @@ def test_unreachable_http_engine_is_dropped_with_one_warning_and_never_used_agai
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"rollout engine {url} dropped from the pool, 1 of 2 still live: POST /load_lora_adapter: "
                            "cannot connect")
+
+
+def test_a_member_failing_as_its_request_is_cancelled_leaves_no_unretrieved_exception():
+    """A killed server fails every request at once; a request cancelled in that pass (a sibling's
+    failure ended the batch) still reads its member's failure, so no traceback follows the run's error."""
+    class Failing(FakeEngine):
+        def __init__(self, call):
+            super().__init__("http://e")
+            self.call = call
+
+        async def generate(self, requests, adapter=None):
+            return await self.call()
+
+    request = GenerateRequest((1, 2), SamplingParams(n=1))
+    reports = unretrieved_task_errors(lambda call: EnginePool([Failing(call)]).generate([request]))
+    assert reports == []
