@@ -6,8 +6,10 @@ Runs as `python -m graft.bench.trl_worker SPEC.json OUT.json` in the bench's own
 and reward code.
 
 The spec matches graft's settings one for one (see `trl_arguments`); it writes per-step timings
-(step, generation + scoring = "rollout", the rest = "train") and, when asked, PEFT adapters saved
-during training for the learning-curve bench. Saving is outside the timed steps.
+(step, generation + scoring = "rollout", the rest = "train"), when asked PEFT adapters saved
+during training for the learning-curve bench (saving is outside the timed steps), and TRL's own
+logged metrics (reward, grad norm, clip ratios) every `logging_steps` optimizer steps if the spec
+sets it, to compare per-batch training statistics with graft's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def trl_arguments(spec: dict, output_dir: str) -> dict:
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
         optim="adamw_torch", max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group",
-        max_steps=spec["steps"], logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0,
+        max_steps=spec["steps"], logging_steps=spec.get("logging_steps", 10**9), save_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
     )
 
 
@@ -132,7 +134,8 @@ def run(spec: dict) -> dict:
     setup_seconds = time.perf_counter() - setup_start
     trainer.train()
     return {"setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
-            "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+            "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__,
+            "log_history": trainer.state.log_history}
 
 
 def main() -> None:

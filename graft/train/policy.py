@@ -105,7 +105,7 @@ class PolicyState:
         lr = learning_rate(self.config, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        metrics = policy_update(self.model, self.optimizer, batch, self.config.train, self.pad_id, self.ctx)
+        metrics = policy_update(self.model, self.optimizer, batch, self.config.train, self.pad_id, self.ctx, step)
         self._gather_for_publishing()
         self.step, self.version = step, step
         return {**metrics, "lr": lr}

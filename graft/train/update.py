@@ -1,9 +1,11 @@
 """The GRPO policy update of the LoRA adapter from one rollout batch.
 
-`train.epochs` passes over the batch, each split into `train.mini_batches` mini-batches of whole
-prompt groups, one optimizer step per mini-batch (PPO-style: the ratio to the policy that started
-the update is clipped). A mini-batch may be split further over data-parallel ranks (FSDP2; the ranks
-of one tensor-parallel group share their rows and hold the same losses) and micro-batches:
+`train.epochs` passes over the batch, each split into `train.mini_batches` mini-batches, one
+optimizer step per mini-batch (PPO-style: the ratio to the policy that started the update is
+clipped). The rows are dealt into the mini-batches at random, seeded by the step (TRL's shuffle), or
+with `train.shuffle_mini_batches: false` as consecutive whole prompt groups (verl's split). A
+mini-batch may be split further over data-parallel ranks (FSDP2; the ranks of one tensor-parallel
+group share their rows and hold the same losses) and micro-batches:
 every part's loss is divided by the whole mini-batch's divisor (`AGGREGATION_DIVISORS`), so
 gradients summed over parts and ranks equal those of the whole mini-batch on one process, and the
 reported metrics are whole-batch values. Which rows go to which rank and micro-batch, and how a
@@ -17,6 +19,7 @@ Shape suffixes: `_B` sequences of a micro-batch, `_C` completion tokens (longest
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import torch
@@ -42,16 +45,30 @@ _TOKEN_STATS = ("kl", "entropy", "clip_fraction", "ratio_mean", "tis_weight_mean
                 "mismatch_kl")
 
 
-def _mini_batches(n_prompts: int, group: int, mini_batches: int, left_out: frozenset[int] = frozenset()
-                  ) -> list[list[int]]:
-    """Rows of each mini-batch: consecutive whole prompt groups, as even as possible, less the rows
-    `left_out` of the loss (`train.overlong_filter`); a mini-batch left with no rows is dropped."""
-    per, extra = divmod(n_prompts, mini_batches)
+def _mini_batches(n_prompts: int, group: int, mini_batches: int, left_out: frozenset[int] = frozenset(),
+                  shuffle_seed: int | None = None) -> list[list[int]]:
+    """Rows of each mini-batch, as even as possible, less the rows `left_out` of the loss
+    (`train.overlong_filter`); a mini-batch left with no rows is dropped.
+
+    `shuffle_seed` None: consecutive whole prompt groups. Otherwise the rows dealt at random (seeded,
+    so every rank and a resumed run deal the same), each mini-batch's in batch order. Measured on the
+    quickstart task (`graft bench learning`'s setup, seed 0, 150 batches of 32 x 8 in 4 mini-batches):
+    each optimizer step then sees about 2 samples of every prompt instead of all 8 of a quarter of
+    them, and the run's gradient norm, clip fraction, entropy and training reward follow TRL's
+    (training reward 0.52 vs TRL's 0.52 over the last 25 batches; 0.49 with whole groups).
+    """
+    if shuffle_seed is None:
+        per, extra = divmod(n_prompts, mini_batches)
+        sizes = [(per + (m < extra)) * group for m in range(mini_batches)]
+        rows = list(range(n_prompts * group))
+    else:
+        per, extra = divmod(n_prompts * group, mini_batches)
+        sizes = [per + (m < extra) for m in range(mini_batches)]
+        rows = random.Random(shuffle_seed).sample(range(n_prompts * group), n_prompts * group)
     out, first = [], 0
-    for m in range(mini_batches):
-        n = per + (1 if m < extra else 0)
-        out.append([r for r in range(first * group, (first + n) * group) if r not in left_out])
-        first += n
+    for size in sizes:
+        out.append(sorted(r for r in rows[first:first + size] if r not in left_out))
+        first += size
     return [rows for rows in out if rows]
 
 
@@ -116,8 +133,9 @@ class _LogprobCache:
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, train: TrainConfig,
-                  pad_id: int, ctx: Dist = Dist()) -> dict:
+                  pad_id: int, ctx: Dist = Dist(), step: int = 0) -> dict:
     """`epochs x mini_batches` clipped optimizer steps on this rank's rows. Returns the train metrics.
+    `step` seeds the deal of rows into mini-batches (with `train.shuffle_mini_batches`).
 
     The "old" policy is the one before the update: with a single step the ratio is 1 throughout.
     With `train.tis_cap` the loss is weighted by truncated importance weights
@@ -131,7 +149,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     lengths = [batch.loss_tokens(r) for r in range(len(batch.sequences))]  # the tokens each row's loss counts
     leave_out_truncated = train.overlong_filter or batch.mask_truncated
     left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if leave_out_truncated else frozenset()
-    minis = _mini_batches(n_prompts, group, train.mini_batches, left_out)
+    shuffle_seed = train.seed * 1_000_003 + step if train.shuffle_mini_batches else None
+    minis = _mini_batches(n_prompts, group, train.mini_batches, left_out, shuffle_seed)
     if not minis:  # every completion left out of the loss: nothing to learn from this batch
         return {"loss": math.nan, **dict.fromkeys(_TOKEN_STATS, None), "grad_norm": math.nan, "optimizer_steps": 0,
                 "skipped_nonfinite_steps": 0, "logprob_abs_diff_max": 0.0, "loss_rows": 0,

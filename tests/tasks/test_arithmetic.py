@@ -63,3 +63,12 @@ def test_arithmetic_rejects_bad_arguments(kwargs, match):
 
 def test_arithmetic_is_registered():
     assert TASKS["arithmetic"] is arithmetic_task
+
+
+def test_the_default_1000_held_out_extend_the_200_the_quickstart_base_was_built_beside():
+    """The warm-up draws (2000, 200); the default draws 1000 held-out: the same train set (so the cached
+    bases never saw a held-out sum) and the same first 200 (what runs evaluate by default)."""
+    train, held_out = arithmetic_task()
+    train_200, held_out_200 = arithmetic_task(n_train=2000, n_eval=200)
+    assert len(held_out) == 1000 and train == train_200 and held_out[:200] == held_out_200
+    assert not {_key(ex) for ex in train} & {_key(ex) for ex in held_out}

@@ -47,7 +47,7 @@ def _updates(model_dir, ctx: Dist, n_prompts: int, group: int, overrides: list[s
     metrics = []
     for step in range(UPDATES):
         batch = broadcast_batch(_batch(n_prompts, group, seed=step) if ctx.is_main else None, ctx)
-        metrics.append(policy_update(model, optimizer, batch, config.train, pad_id=0, ctx=ctx))
+        metrics.append(policy_update(model, optimizer, batch, config.train, pad_id=0, ctx=ctx, step=step))
     weights = {name: full_tensor(p.detach()).clone() for name, p in lora_parameters(model).items()}
     return metrics, weights
 

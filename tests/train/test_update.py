@@ -7,7 +7,7 @@ import torch
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
-from graft.train.update import policy_update
+from graft.train.update import _mini_batches, policy_update
 from tests.helpers import trained_like_peft_model
 from tests.train.test_distributed import _batch
 
@@ -58,7 +58,9 @@ def _poisoned_update(model_dir, on_nonfinite: str):
     """An update whose loss is NaN (an infinite reward makes the group's advantages NaN)."""
     from dataclasses import replace
 
-    config = load_config(None, ["train.mini_batches=2", f"train.on_nonfinite={on_nonfinite}"])
+    # Whole groups in order: the poisoned group lands in the first mini-batch only.
+    config = load_config(None, ["train.mini_batches=2", "train.shuffle_mini_batches=false",
+                                f"train.on_nonfinite={on_nonfinite}"])
     model = trained_like_peft_model(model_dir)
     before = {n: p.detach().clone() for n, p in lora_parameters(model).items()}
     optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-2)
@@ -148,3 +150,38 @@ def test_micro_batches_respect_the_token_budget_and_the_row_limit():
     assert micro_batches(list(range(6)), batch, config.train) == [[0, 1], [2, 3], [4, 5]]
     config = load_config(None, ["train.max_tokens_per_micro_batch=", "train.micro_batch_size="])
     assert micro_batches(list(range(6)), batch, config.train) == [list(range(6))]
+
+
+def test_mini_batches_of_whole_groups_keep_each_prompts_samples_together():
+    assert _mini_batches(5, 2, 2) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert _mini_batches(5, 2, 2, left_out=frozenset({1, 6, 7})) == [[0, 2, 3, 4, 5], [8, 9]]
+
+
+def test_shuffled_mini_batches_deal_every_row_once_evenly_and_the_same_for_the_same_seed():
+    minis = _mini_batches(32, 8, 4, shuffle_seed=7)
+    assert sorted(r for rows in minis for r in rows) == list(range(256))
+    assert [len(rows) for rows in minis] == [64] * 4 and all(rows == sorted(rows) for rows in minis)
+    assert _mini_batches(32, 8, 4, shuffle_seed=7) == minis  # every rank, and a resumed run, deal the same
+    assert _mini_batches(32, 8, 4, shuffle_seed=8) != minis
+    # Each optimizer step sees samples of most prompts, not all 8 samples of a quarter of them.
+    prompts_per_step = [len({r // 8 for r in rows}) for rows in minis]
+    assert min(prompts_per_step) > 16
+    odd = _mini_batches(5, 3, 2, left_out=frozenset({0, 14}), shuffle_seed=1)
+    assert sorted(r for rows in odd for r in rows) == list(range(1, 14))
+    assert [len(rows) for rows in _mini_batches(5, 3, 2, shuffle_seed=1)] == [8, 7]
+
+
+def test_the_update_deals_its_mini_batches_by_step(base_dir):
+    """With shuffle_mini_batches the step seeds the deal: the same step repeats the update exactly, another
+    step deals (and so updates) differently; with whole groups the step does not matter."""
+    def lora_after(step, *overrides):
+        config = load_config(None, ["train.lr=1e-2", "train.mini_batches=2", *overrides])
+        model = trained_like_peft_model(base_dir)
+        optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=config.train.lr)
+        policy_update(model, optimizer, _batch(4, 3), config.train, pad_id=0, step=step)
+        return torch.cat([p.detach().flatten() for p in lora_parameters(model).values()])
+
+    assert torch.equal(lora_after(3), lora_after(3))
+    assert not torch.allclose(lora_after(3), lora_after(4))
+    groups = "train.shuffle_mini_batches=false"
+    assert torch.equal(lora_after(3, groups), lora_after(4, groups))
