@@ -46,7 +46,8 @@ def trl_arguments(spec: dict, output_dir: str) -> dict:
     """GRPOConfig keyword arguments equal to graft's settings for the spec.
 
     One rollout batch is `prompts x samples` completions, split into `mini_batches` optimizer steps
-    (graft's train.mini_batches == TRL's steps_per_generation), one pass (num_iterations 1), PPO clip
+    (graft's train.mini_batches == TRL's steps_per_generation; both deal the rows at random: TRL
+    shuffles its generation batch, graft has train.shuffle_mini_batches), one pass (num_iterations 1), PPO clip
     0.2, token-mean loss over the whole batch ("dapo" == graft's token-mean), group-std-normalised
     advantages ("group" == graft's normalize_adv_std), no KL (beta 0), fp32, AdamW with torch's
     default weight decay (graft uses torch.optim.AdamW as is) and a constant learning rate.

@@ -170,9 +170,14 @@ async def _unload(url: str, name: str) -> None:
 def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_server, base_dir, tmp_path):
     config = graft_config(base_dir, vllm_server.url, steps=2, eval_every=1, seed=0,
                           extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.eval_examples=8"])
-    spec = {**learning_trl_spec(config, budget_s=1e9, eval_every=1, save_dir=tmp_path / "adapters"), "steps": 4}
+    spec = {**learning_trl_spec(config, budget_s=1e9, eval_every=1, save_dir=tmp_path / "adapters"), "steps": 4,
+            "logging_steps": 4}
     result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
     assert [s["step"] for s in result["steps"]] == [1, 2, 3, 4]
+    # TRL's own statistics of the rollout batch, to set beside graft's metrics.jsonl; graft deals its
+    # mini-batches at random as TRL shuffles its generation batch.
+    (logged,) = [row for row in result["log_history"] if "reward" in row]
+    assert logged["step"] == 4 and logged["grad_norm"] > 0 and config.train.shuffle_mini_batches
     # mini_batches 4 -> an adapter every 4 optimizer steps (one rollout batch), with its clock.
     assert [a["step"] for a in result["adapters"]] == [4]
     assert result["adapters"][0]["clock"] == pytest.approx(sum(s["seconds"] for s in result["steps"]))
