@@ -47,10 +47,11 @@ def trl_arguments(spec: dict, output_dir: str) -> dict:
 
     One rollout batch is `prompts x samples` completions, split into `mini_batches` optimizer steps
     (graft's train.mini_batches == TRL's steps_per_generation; both deal the rows at random: TRL
-    shuffles its generation batch, graft has train.shuffle_mini_batches), one pass (num_iterations 1), PPO clip
-    0.2, token-mean loss over the whole batch ("dapo" == graft's token-mean), group-std-normalised
-    advantages ("group" == graft's normalize_adv_std), no KL (beta 0), fp32, AdamW with torch's
-    default weight decay (graft uses torch.optim.AdamW as is) and a constant learning rate.
+    shuffles its generation batch, graft has train.shuffle_mini_batches), one pass (num_iterations
+    1), PPO clip 0.2, token-mean loss over the whole batch ("dapo" == graft's token-mean),
+    group-std-normalised advantages ("group" == graft's normalize_adv_std), no KL (beta 0), fp32,
+    AdamW with torch's default weight decay (graft uses torch.optim.AdamW as is) and a constant
+    learning rate.
     Gradient checkpointing is off: graft does not checkpoint, and on a model this small TRL's
     default (on) would only make TRL slower.
     """

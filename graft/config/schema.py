@@ -146,7 +146,7 @@ class TrainConfig(ObjectiveFields):
         True, description="Deal each rollout batch's rows into the mini-batches at random, seeded by train.seed "
         "and the step (TRL shuffles its generation batch the same way); false: consecutive whole prompt groups "
         "(verl's split). Shuffled, each optimizer step sees samples of every prompt; on the quickstart task it "
-        "learned more per batch (training reward 0.52 vs 0.49 after 150 batches, like TRL's 0.52)."
+        "learned more per batch (mean training reward over batches 126-150: 0.52, whole groups 0.49, TRL 0.52)."
     )
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (each pass takes mini_batches steps).")
     logit_chunk_tokens: int | None = Field(
