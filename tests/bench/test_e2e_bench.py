@@ -177,7 +177,8 @@ def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_ser
     # TRL's own statistics of the rollout batch, to set beside graft's metrics.jsonl; graft deals its
     # mini-batches at random as TRL shuffles its generation batch.
     (logged,) = [row for row in result["log_history"] if "reward" in row]
-    assert logged["step"] == 4 and logged["grad_norm"] > 0 and config.train.shuffle_mini_batches
+    assert logged["step"] == 4 and {"grad_norm", "entropy", "clip_ratio/region_mean"} <= logged.keys()
+    assert config.train.shuffle_mini_batches
     # mini_batches 4 -> an adapter every 4 optimizer steps (one rollout batch), with its clock.
     assert [a["step"] for a in result["adapters"]] == [4]
     assert result["adapters"][0]["clock"] == pytest.approx(sum(s["seconds"] for s in result["steps"]))
