@@ -115,7 +115,9 @@ def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, ca
             server.stop()
     result = {"base": str(base), "reward": REWARD, "budget_seconds": budget, "trl_version": TRL_VERSION,
               "graft": {"points": graft_points, "steps": steps},
-              "trl": {"points": trl_points, "optimizer_steps": len(trl["steps"])}}
+              "trl": {"points": trl_points, "optimizer_steps": len(trl["steps"]),
+                      "mini_batches": config.train.mini_batches}}
+    result["per_batch_gaps"] = per_batch_gaps(result)
     result["plot"] = str(plot_learning(result, out_dir / "learning.png"))
     return result
 
@@ -123,6 +125,14 @@ def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, ca
 def time_to_reach(points: list[dict], accuracy: float) -> float | None:
     """Seconds of the first point at or above `accuracy`; None if never reached."""
     return next((p["seconds"] for p in points if p["accuracy"] >= accuracy), None)
+
+
+def per_batch_gaps(result: dict) -> list[dict]:
+    """graft's accuracy minus TRL's at each rollout-batch count both sides evaluated (after the
+    start): whether the two learn alike per batch, apart from how fast each takes its batches."""
+    trl_by_batch = {p["step"] // result["trl"]["mini_batches"]: p["accuracy"] for p in result["trl"]["points"]}
+    return [{"batches": p["step"], "gap": p["accuracy"] - trl_by_batch[p["step"]]}
+            for p in result["graft"]["points"] if p["step"] and p["step"] in trl_by_batch]
 
 
 def plot_learning(result: dict, path: Path) -> Path:
@@ -158,4 +168,7 @@ def print_learning_report(result: dict) -> None:
         table.add_row(side, str(len(points)), f"{100 * points[-1]['accuracy']:.1f}%",
                       f"{100 * max(p['accuracy'] for p in points):.1f}%", "never" if reach is None else f"{reach:.0f}")
     Console().print(table)
+    if gaps := [g["gap"] for g in result["per_batch_gaps"]]:
+        Console().print(f"graft minus TRL at the same rollout-batch counts ({len(gaps)} evaluations): mean "
+                        f"{100 * sum(gaps) / len(gaps):+.1f} points, {100 * min(gaps):+.1f} to {100 * max(gaps):+.1f}")
     Console().print(f"plot: {result['plot']}")

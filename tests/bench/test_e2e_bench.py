@@ -22,7 +22,14 @@ from graft.bench.e2e import (
     trl_spec,
     trl_steps,
 )
-from graft.bench.learning import graft_config, graft_curve, plot_learning, score_adapters, time_to_reach
+from graft.bench.learning import (
+    graft_config,
+    graft_curve,
+    per_batch_gaps,
+    plot_learning,
+    score_adapters,
+    time_to_reach,
+)
 from graft.bench.learning import trl_spec as learning_trl_spec
 from graft.bench.rollout import prepare_adapter_and_merged
 from graft.bench.trl_env import run_trl, trl_python
@@ -119,6 +126,15 @@ def test_learning_curve_counts_step_seconds_only(tmp_path):
               "trl": {"points": [{"seconds": 0.0, "accuracy": 0.4}, {"seconds": 8.0, "accuracy": 0.45}]}}
     png = plot_learning(result, tmp_path / "learning.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_batch_gaps_pair_the_evaluations_of_equal_rollout_batch_counts():
+    """TRL's points count optimizer steps (mini_batches per rollout batch); graft's count batches."""
+    graft = [{"step": s, "accuracy": a} for s, a in ((0, 0.5), (25, 0.7), (50, 0.8), (75, 0.9))]
+    trl = [{"step": s, "accuracy": a} for s, a in ((0, 0.5), (100, 0.75), (200, 0.7))]
+    gaps = per_batch_gaps({"graft": {"points": graft}, "trl": {"points": trl, "mini_batches": 4}})
+    assert [g["batches"] for g in gaps] == [25, 50]
+    assert [g["gap"] for g in gaps] == pytest.approx([-0.05, 0.1])
 
 
 @pytest.mark.vllm
