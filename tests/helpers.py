@@ -65,9 +65,10 @@ def hf_cache_with(root, repo_id: str, model_dir) -> str:
 
 
 def unretrieved_task_errors(outer_coro_of) -> list[str]:
-    """Runs outer_coro_of(call) where coroutine function `call` fails in the same loop pass that the outer task is
-    cancelled (a killed server fails every request at once while a sibling's failure cancels the
-    rest); the "exception was never retrieved" reports the loop makes once the tasks are collected."""
+    """Runs outer_coro_of(call) where coroutine function `call` fails in the same loop pass in which
+    the outer task is cancelled (a killed server fails every request at once while a sibling's
+    failure cancels the rest); the "exception was never retrieved" reports the loop makes once the
+    tasks are collected."""
     reports = []
 
     async def run():
@@ -89,4 +90,3 @@ def unretrieved_task_errors(outer_coro_of) -> list[str]:
 
     asyncio.run(run())
     return reports
-

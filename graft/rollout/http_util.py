@@ -38,7 +38,12 @@ async def settle(task: asyncio.Future) -> None:
     """Cancel `task` if it still runs, wait for it and mark its outcome read. A task that failed in
     the loop pass in which its waiter was cancelled is otherwise reported at exit as "Task exception
     was never retrieved", with a traceback under the run's one error line (seen when a killed vLLM
-    server failed every request at once)."""
+    server failed every request at once). A finished task is read at once, without a loop pass:
+    this runs after every answered generation."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()
+        return
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 

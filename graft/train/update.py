@@ -69,7 +69,7 @@ def _mini_batches(n_prompts: int, group: int, mini_batches: int, left_out: froze
     for size in sizes:
         out.append(sorted(r for r in rows[first:first + size] if r not in left_out))
         first += size
-    return [rows for rows in out if rows]
+    return [mini for mini in out if mini]
 
 
 class _LogprobCache:
