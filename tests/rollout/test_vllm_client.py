@@ -302,6 +302,32 @@ def test_greedy_base_and_adapter_match_transformers(vllm_server, base_dir, base_
 
 
 @pytest.mark.vllm
+def test_two_adapters_and_the_base_served_at_once_each_match_transformers(vllm_server, base_dir, base_reference,
+                                                                           adapter, tmp_path):
+    """Concurrent requests share the engine's steps, so one step's LoRA matmuls mix two adapter
+    slots and tokens without one (graft's grouped ops, graft.rollout.vllm_lora_cpu): each request
+    still gets its own policy's tokens and log-probs."""
+    first_dir, first_reference = adapter
+    second = trained_like_peft_model(base_dir, rank=4, seed=7).eval()
+    second_dir, second_reference = save_adapter(second, tmp_path / "second-v1"), _hf_greedy(second)
+
+    async def main():
+        async with VllmClient(vllm_server.url) as client:
+            await client.load_adapter("mix-a-v1", first_dir)
+            await client.load_adapter("mix-b-v1", second_dir)
+            try:
+                return await asyncio.gather(*(_greedy(client, name) for name in ("mix-a-v1", None, "mix-b-v1") * 2))
+            finally:
+                await client.unload_adapter("mix-a-v1")
+                await client.unload_adapter("mix-b-v1")
+
+    answers = run(main())
+    for got, want in zip(answers, (first_reference, base_reference, second_reference) * 2):
+        _assert_same_greedy(got, want)
+    assert second_reference[0] != first_reference[0] != base_reference[0]
+
+
+@pytest.mark.vllm
 def test_adapter_lifecycle_errors_are_typed_and_the_server_keeps_serving(vllm_server, base_reference, adapter,
                                                                          tmp_path):
     adapter_dir, adapter_reference = adapter
