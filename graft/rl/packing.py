@@ -251,3 +251,102 @@ def completion_rows(values_xT: Tensor, completion_mask_xT: Tensor, completion_le
     assert flat.numel() == sum(completion_lens), "the completion mask does not match the completion lengths"
     mask_BC = completion_rows_mask(completion_lens, values_xT.device)
     return values_xT.new_zeros(mask_BC.shape).masked_scatter(mask_BC, flat)
+
+
+@dataclass(frozen=True)
+class SharedPromptRows:
+    """Sequences in ``R`` rows of ``L`` tokens where the sequences of one prompt share its tokens:
+    the prompt but its last token once (the prefix), then per sequence a branch — the prompt's last
+    token and the completion — that attends to the prefix and to itself (``pack_shared_prompts``).
+
+    Attributes:
+        input_ids_RL, position_ids_RL, completion_mask_RL: As ``PackedRows``'; a branch's position
+            ids continue the prefix's (P-1, P, ...), as in the sequence it stands for.
+        allowed_RLL: True where query ``i`` may attend key ``j``: the same unit (a prefix and its
+            branches), ``j <= i``, and ``j`` in the prefix or in ``i``'s own branch.
+        order: The sequences' indices in layout order (row-major, branch after branch).
+    """
+
+    input_ids_RL: Tensor
+    position_ids_RL: Tensor
+    completion_mask_RL: Tensor
+    allowed_RLL: Tensor
+    order: list[int]
+
+
+def _prompt_units(sequences: list[Sequence], unit_tokens: int) -> list[list[int]]:
+    """Sequence indices grouped by prompt (first appearance order), each group cut into units whose
+    prefix plus branches fit in ``unit_tokens`` (a unit holds at least one branch)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (prompt, _) in enumerate(sequences):
+        groups.setdefault(tuple(prompt), []).append(i)
+    units = []
+    for prompt, members in groups.items():
+        unit, tokens = [], len(prompt) - 1
+        for i in members:
+            branch = 1 + len(sequences[i][1])
+            if unit and tokens + branch > unit_tokens:
+                units.append(unit)
+                unit, tokens = [], len(prompt) - 1
+            unit.append(i)
+            tokens += branch
+        units.append(unit)
+    return units
+
+
+def _unit_layout(sequences: list[Sequence], unit: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:
+    """(ids, position ids, completion mask, branch number: -1 in the prefix) of one unit."""
+    prompt = sequences[unit[0]][0]
+    ids, positions, mask, branch = list(prompt[:-1]), list(range(len(prompt) - 1)), [False] * (len(prompt) - 1), \
+        [-1] * (len(prompt) - 1)
+    for b, i in enumerate(unit):
+        completion = sequences[i][1]
+        ids += [prompt[-1], *completion]
+        positions += range(len(prompt) - 1, len(prompt) + len(completion))
+        mask += [True] * len(completion) + [False]  # position k predicts completion token k
+        branch += [b] * (1 + len(completion))
+    return ids, positions, mask, branch
+
+
+def pack_shared_prompts(sequences: list[Sequence], unit_tokens: int, pad_id: int) -> SharedPromptRows:
+    """Lays sequences out so that those with the same prompt compute it once (``SharedPromptRows``):
+    GRPO samples several completions per prompt, and a prompt is often longer than its completions
+    (the quickstart's: ~20 prompt tokens, ~4 completion tokens), so most of a packed batch's tokens
+    repeat a prompt. Units (``_prompt_units``, at most ``max(unit_tokens, longest sequence)``
+    tokens) go into rows as long as the longest unit, first fit, longest first, as ``pack_rows``
+    does with sequences: attention and its mask cost rows x L x L, never one row of everything.
+    The rows' unused tails attend only to themselves.
+
+    Every completion token's log-prob is the same function of the weights as in its own sequence
+    (same tokens before it, same positions), so results equal ``pack``'s up to float rounding and
+    gradients add up through the shared prefix as through the separate copies.
+
+    Raises:
+        ValueError: If there are no sequences or a prompt is empty.
+    """
+    _check(sequences)
+    unit_tokens = max(unit_tokens, *(len(p) + len(c) for p, c in sequences))
+    units = [_unit_layout(sequences, unit) + (unit,) for unit in _prompt_units(sequences, unit_tokens)]
+    lengths = [len(u[0]) for u in units]
+    rows = first_fit_rows(lengths, max(lengths))
+    width = max(sum(len(units[u][0]) for u in row) for row in rows)
+    ids, positions, masks, allowed, order = [], [], [], [], []
+    for row in rows:
+        row_ids, row_positions, row_mask, unit_of, branch_of = [], [], [], [], []
+        for u in row:
+            unit_ids, unit_positions, unit_mask, unit_branch, members = units[u]
+            row_ids += unit_ids
+            row_positions += unit_positions
+            row_mask += unit_mask
+            unit_of += [u] * len(unit_ids)
+            branch_of += unit_branch
+            order += members
+        tail = width - len(row_ids)
+        ids.append(row_ids + [pad_id] * tail)
+        positions.append(row_positions + list(range(tail)))
+        masks.append(row_mask + [False] * tail)
+        unit_L, branch_L = torch.tensor(unit_of + [-1] * tail), torch.tensor(branch_of + [-1] * tail)
+        allowed.append((unit_L[:, None] == unit_L[None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+                       & ((branch_L[None, :] == -1) | (branch_L[None, :] == branch_L[:, None])))
+    return SharedPromptRows(torch.tensor(ids), torch.tensor(positions), torch.tensor(masks), torch.stack(allowed),
+                            order)

@@ -27,10 +27,20 @@ from torch import Tensor, nn
 
 from graft.config import TrainConfig
 from graft.rl.logprobs import teacher_forced_logprobs
-from graft.rl.packing import completion_rows, completion_rows_mask, first_fit_rows, pack_rows, pad
+from graft.rl.packing import (
+    completion_rows,
+    completion_rows_mask,
+    first_fit_rows,
+    pack_rows,
+    pack_shared_prompts,
+    pad,
+)
 from graft.train.rollout_batch import RolloutBatch
 
 Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
+# Tokens of one prompt's shared unit (its prefix and as many of its rows' branches as fit): rows as
+# long as the longest unit keep attention's R x L x L within ~1M mask entries per row.
+SHARED_UNIT_TOKENS = 1024
 
 
 def _length(batch: RolloutBatch, row: int) -> int:
@@ -107,7 +117,8 @@ class MicroBatch:
     Attributes:
         rows: Batch rows, in the order of the result rows of `scored` (packed: layout order).
         input_ids_xT: `[B, T]` right-padded or `[R, L]` packed rows.
-        attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit).
+        attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit); an
+            boolean `[R, 1, L, L]` mask (True = attend) when prompts are shared.
         position_ids_xT: Restarting per sequence when packed; None when padded (HF's arange).
         completion_mask_xT: True where the next token is a completion token.
         mask_BC: True at each sequence's completion tokens in the `[B, C]` result rows.
@@ -128,20 +139,37 @@ class MicroBatch:
         return self.mask_BC.sum(dim=1).tolist()
 
 
-def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int, packed: bool) -> MicroBatch:
-    """`rows` packed into rows as long as the longest sequence (`graft.rl.packing.pack_rows`; the
-    result's `rows` are then in layout order) or right-padded, on the model's device."""
+def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int, train: TrainConfig) -> MicroBatch:
+    """`rows` right-padded, or packed (`train.pack_sequences`) into rows as long as the longest
+    sequence (`graft.rl.packing.pack_rows`) — or, with `train.share_prompts` and a prompt that
+    several rows share, into rows where each prompt's rows compute it once
+    (`graft.rl.packing.pack_shared_prompts`: a 4-D attention mask keeps each completion to its
+    prompt and itself; sdpa attention only, else packed as without). Packed, the result's `rows` are in layout order. On the model's device."""
     device = next(model.parameters()).device
     sequences = [batch.sequences[r] for r in rows]
-    if packed:
+    if not train.pack_sequences:
+        mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
+        input_ids_BT, attention_mask_BT, mask_BT = (t.to(device) for t in pad(sequences, "right", pad_id))
+        return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC,
+                          _loss_mask(batch, rows, mask_BC))
+    attention_mask = None
+    if train.share_prompts and _attention(model) == "sdpa" and len({tuple(p) for p, _ in sequences}) < len(sequences):
+        p = pack_shared_prompts(sequences, SHARED_UNIT_TOKENS, pad_id)
+        attention_mask = p.allowed_RLL[:, None].to(device)  # sdpa's boolean mask: True = attend
+        ids_RL, positions_RL, mask_RL = p.input_ids_RL, p.position_ids_RL, p.completion_mask_RL
+    else:
         p = pack_rows(sequences, max(len(q) + len(c) for q, c in sequences), pad_id)
-        rows = [rows[i] for i in p.order]
-        mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
-        return MicroBatch(rows, p.input_ids_RL.to(device), None, p.position_ids_RL.to(device),
-                          p.completion_mask_RL.to(device), mask_BC, _loss_mask(batch, rows, mask_BC))
-    mask_BC = completion_rows_mask([len(c) for _, c in sequences], device)
-    input_ids_BT, attention_mask_BT, mask_BT = (t.to(device) for t in pad(sequences, "right", pad_id))
-    return MicroBatch(rows, input_ids_BT, attention_mask_BT, None, mask_BT, mask_BC, _loss_mask(batch, rows, mask_BC))
+        ids_RL, positions_RL, mask_RL = p.input_ids_RL, p.position_ids_RL, p.completion_mask_RL
+    rows = [rows[i] for i in p.order]
+    mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
+    return MicroBatch(rows, ids_RL.to(device), attention_mask, positions_RL.to(device), mask_RL.to(device),
+                      mask_BC, _loss_mask(batch, rows, mask_BC))
+
+
+def _attention(model: nn.Module) -> str | None:
+    """The model's attention implementation: shared prompts need a custom 4-D mask, which sdpa takes
+    as a boolean mask (whatever the compute dtype); eager would add it, flash-attention refuses it."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _loss_mask(batch: RolloutBatch, rows: list[int], mask_BC: Tensor) -> Tensor:

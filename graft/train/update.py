@@ -99,7 +99,7 @@ class _LogprobCache:
             return
         with torch.no_grad():
             for part in parts:
-                micro = lay_out(model, batch, part, pad_id, train.pack_sequences)
+                micro = lay_out(model, batch, part, pad_id, train)
                 if ref_needed:
                     with adapter_disabled(model):
                         self._keep(self.ref, micro, scored(model, micro, train)[0])
@@ -241,7 +241,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                       train: TrainConfig, pad_id: int, divisor: float, cache: _LogprobCache,
                       single_step: bool) -> tuple[torch.Tensor, dict]:
     """Loss of the micro-batch `rows` (divided by their mini-batch's `divisor`) and its token-mean stats."""
-    micro = lay_out(model, batch, rows, pad_id, train.pack_sequences)
+    micro = lay_out(model, batch, rows, pad_id, train)
     rows, mask_BC = micro.rows, micro.mask_BC  # in layout order: the order of the [B, C] results
     loss_mask_BC = micro.loss_mask_BC  # mask_BC less environment tokens: what the loss and its stats count
     logprobs_BC, entropy_BC = scored(model, micro, train, with_entropy=True)

@@ -18,6 +18,7 @@ from graft.rl.packing import (
     next_token_targets,
     pack,
     pack_rows,
+    pack_shared_prompts,
     pad,
     padded_completion_logprobs,
     position_ids_from_mask,
@@ -258,3 +259,48 @@ def test_pack_rows_by_hand():
     assert rows.completion_mask_RL.int().tolist() == [[1, 1, 1, 1, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 0]]
     assert first_fit_rows([3, 5, 2, 2], 5) == [[1], [0, 2], [3]]
     assert first_fit_rows([3, 5, 2, 2], 1) == [[1], [0, 2], [3]]  # never shorter than the longest
+
+
+def test_pack_shared_prompts_by_hand():
+    """One prompt's rows share its tokens but the last; each branch repeats the last prompt token
+    (whose logits score the first completion token), continues its positions and sees the prefix and
+    itself only; a prompt seen once is a unit of its own; tails attend to themselves."""
+    sequences = [([1, 2, 3], [4, 5]), ([7, 8], [9]), ([1, 2, 3], [6]), ([1, 2, 3], [10, 11, 12])]
+    rows = pack_shared_prompts(sequences, unit_tokens=1024, pad_id=0)
+    assert rows.order == [0, 2, 3, 1]
+    assert rows.input_ids_RL.tolist() == [[1, 2, 3, 4, 5, 3, 6, 3, 10, 11, 12], [7, 8, 9] + [0] * 8]
+    assert rows.position_ids_RL.tolist() == [[0, 1, 2, 3, 4, 2, 3, 2, 3, 4, 5], [0, 1, 2, *range(8)]]
+    assert rows.completion_mask_RL.int().tolist() == [[0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 0], [0, 1] + [0] * 9]
+    assert rows.allowed_RLL[0, 6].int().tolist() == [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]  # prefix + own branch
+    assert rows.allowed_RLL[0, 10].int().tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert rows.allowed_RLL[1, 4].int().tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]  # the tail
+    # A unit budget of 7 tokens: the prompt's three rows go into two units, each with the prefix.
+    split = pack_shared_prompts(sequences, unit_tokens=7, pad_id=0)
+    assert split.order == [0, 2, 3, 1]
+    assert split.input_ids_RL.tolist() == [[1, 2, 3, 4, 5, 3, 6], [1, 2, 3, 10, 11, 12, 0], [7, 8, 9, 0, 0, 0, 0]]
+    assert split.position_ids_RL.tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 3, 4, 5, 0], [0, 1, 2, 0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_shared_prompt_rows_give_each_sequences_own_logprobs(tiny_model_dirs, arch):
+    """On a real model (sdpa attention, boolean 4-D mask), every completion token's log-prob in the
+    shared layout equals its own sequence's (<= 1e-5), also with units split by the budget."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch], attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (p,), generator=g).tolist() for p in (6, 1, 9)]
+    sequences = [(prompts[i], torch.randint(3, 500, (c,), generator=g).tolist())
+                 for i, c in [(0, 3), (1, 2), (0, 1), (2, 4), (0, 5), (2, 2), (1, 0)]]
+    with torch.no_grad():
+        expected = []
+        for prompt, completion in sequences:
+            ids_1L = torch.tensor([prompt + completion])
+            logprobs_1L = token_logprobs(model(input_ids=ids_1L).logits, next_token_targets(ids_1L))
+            expected.append(logprobs_1L[0, len(prompt) - 1: len(prompt) - 1 + len(completion)])
+        for unit_tokens in (1024, 12):
+            rows = pack_shared_prompts(sequences, unit_tokens, pad_id=0)
+            logits = model(input_ids=rows.input_ids_RL, position_ids=rows.position_ids_RL,
+                           attention_mask=rows.allowed_RLL[:, None]).logits
+            got_BC = completion_rows(token_logprobs(logits, next_token_targets(rows.input_ids_RL)),
+                                     rows.completion_mask_RL, [len(sequences[i][1]) for i in rows.order])
+            for b, i in enumerate(rows.order):
+                torch.testing.assert_close(got_BC[b, :len(sequences[i][1])], expected[i], atol=1e-5, rtol=0)

@@ -26,13 +26,16 @@ _COMPARED = ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "ratio_mean"
 
 
 def _batch(n_prompts: int, group: int, seed: int = 0) -> RolloutBatch:
+    """`group` ragged completions of each of `n_prompts` ragged prompts (a group's rows share the
+    prompt, as GRPO's do: `train.share_prompts` lays them out sharing it)."""
     gen = torch.Generator().manual_seed(seed)
     sequences, logprobs = [], []
-    for _ in range(n_prompts * group):
-        p, c = torch.randint(3, 7, (1,), generator=gen).item(), torch.randint(1, 6, (1,), generator=gen).item()
-        ids = torch.randint(3, 200, (p + c,), generator=gen).tolist()
-        sequences.append((ids[:p], ids[p:]))
-        logprobs.append([-1.0] * c)
+    for _ in range(n_prompts):
+        prompt = torch.randint(3, 200, (torch.randint(3, 7, (1,), generator=gen).item(),), generator=gen).tolist()
+        for _ in range(group):
+            c = torch.randint(1, 6, (1,), generator=gen).item()
+            sequences.append((prompt, torch.randint(3, 200, (c,), generator=gen).tolist()))
+            logprobs.append([-1.0] * c)
     rewards_PG = torch.randint(0, 2, (n_prompts, group), generator=gen).float()
     # Completions of the longest length (5) count as cut at max_new_tokens (train.overlong_filter).
     truncated = tuple(len(c) == 5 for _, c in sequences)
@@ -191,6 +194,20 @@ def test_packed_micro_batches_update_like_padded(tiny_model_dirs, overrides):
     lengths, KL, entropy bonus and TIS on."""
     _assert_same_updates(tiny_model_dirs["qwen2"], ["train.pack_sequences=false", *overrides],
                          ["train.pack_sequences=true", *overrides], tol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["train.max_tokens_per_micro_batch=16", "train.loss_agg=seq-mean-token-mean"],  # 1-4 rows per micro-batch
+    ["train.epochs=2", "train.micro_batch_size=3"],
+])
+def test_shared_prompts_update_like_separate_rows(tiny_model_dirs, monkeypatch, overrides):
+    """Rows sharing their prompt's tokens give the metrics and LoRA weights of rows that each carry
+    it (<= 1e-5), also when a prompt's rows are cut into several units (a 10-token budget)."""
+    from graft.train import micro_batches
+    monkeypatch.setattr(micro_batches, "SHARED_UNIT_TOKENS", 10)
+    _assert_same_updates(tiny_model_dirs["qwen2"], ["train.share_prompts=false", *overrides],
+                         ["train.share_prompts=true", *overrides], tol=1e-5)
 
 
 def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):

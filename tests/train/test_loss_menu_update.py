@@ -41,12 +41,12 @@ def _some_masked(metrics: list[dict]) -> bool:
     return any(0 < m["tis_capped_fraction"] < 1 for m in metrics)
 
 
-def _assert_close_updates(run_a, run_b, lr: float) -> None:
-    """The same metrics (<= 1e-5) and LoRA weights (within Adam's rounding) from sums in another order."""
+def _assert_close_updates(run_a, run_b, lr: float, rel: float = 1e-5) -> None:
+    """The same metrics (<= `rel`) and LoRA weights (within Adam's rounding) from sums in another order."""
     (metrics_a, weights_a), (metrics_b, weights_b) = run_a, run_b
     for a, b in zip(metrics_a, metrics_b, strict=True):
         for key in _METRICS + tuple(k for k in _SHAPING_METRICS if k in a):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), key
     assert_adam_weights_close(weights_b, weights_a, lr)
 
 
@@ -65,14 +65,16 @@ def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
     assert _some_masked(whole[0]) == any("mask" in o for o in overrides)
 
 
-@pytest.mark.parametrize("n_prompts, group, overrides", [
-    (3, 3, ["train.loss_agg=seq-mean-token-sum"]),
-    (3, 3, ["train.loss_agg=seq-mean-token-sum-norm", "train.micro_batch_size=2"]),
-    (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", SEQ_CAP]),
-    # The KL sums reach the advantages from log-probs computed in other layouts per rank.
-    (3, 3, [*_FILTERS, "train.mini_batches=2", "train.lr=1e-3"]),
+@pytest.mark.parametrize("n_prompts, group, overrides, rel", [
+    (3, 3, ["train.loss_agg=seq-mean-token-sum"], 1e-5),
+    (3, 3, ["train.loss_agg=seq-mean-token-sum-norm", "train.micro_batch_size=2"], 1e-5),
+    (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", SEQ_CAP], 1e-5),
+    # The KL sums reach the advantages from log-probs computed in other layouts per rank (prompts
+    # shared by other rows): a group whose rewards tie has a std made of KL sums alone, and dividing
+    # by it moved the loss 3e-5 apart (1.5e-6 of 0.051); a layout bug moves it by ~1e-2.
+    (3, 3, [*_FILTERS, "train.mini_batches=2", "train.lr=1e-3"], 1e-4),
 ])
-def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
+def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides, rel):
     """FSDP2 over 2 CPU ranks: the losses, metrics and LoRA weights of one process (<= 1e-5)."""
     model_dir = tiny_model_dirs["qwen2"]
     spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, overrides), WORLD)
@@ -85,7 +87,7 @@ def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, 
     sharded = (json.loads((tmp_path / "metrics.json").read_text()),
                safetensors.torch.load_file(tmp_path / "lora.safetensors"))
     assert all(m["grad_norm"] > 0 for m in single[0])
-    _assert_close_updates(single, sharded, _lr(overrides))
+    _assert_close_updates(single, sharded, _lr(overrides), rel)
     assert _some_masked(single[0]) == (SEQ_CAP in overrides)
 
 
