@@ -144,7 +144,8 @@ def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int,
     sequence (`graft.rl.packing.pack_rows`) — or, with `train.share_prompts` and a prompt that
     several rows share, into rows where each prompt's rows compute it once
     (`graft.rl.packing.pack_shared_prompts`: a 4-D attention mask keeps each completion to its
-    prompt and itself; sdpa attention only, else packed as without). Packed, the result's `rows` are in layout order. On the model's device."""
+    prompt and itself; sdpa attention only, else packed as without). Packed, the result's `rows`
+    are in layout order. On the model's device."""
     device = next(model.parameters()).device
     sequences = [batch.sequences[r] for r in rows]
     if not train.pack_sequences:
