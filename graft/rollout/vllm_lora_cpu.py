@@ -10,8 +10,11 @@ samples x 8 tokens, one call): 0.64 s through vLLM's ops against 0.26 s through 
 see `graft bench rollout` for the side-by-side numbers with these ops.
 
 Same arguments and results as vLLM's (the same dot products, summed in another order: results
-agree to float rounding, ~1e-7 relative in fp32): tokens whose index is -1 read the last slot, as
-`weights[-1]` does there. Installed only over the version measured (the three ops' signatures);
+agree to float rounding, ~1e-7 relative in fp32), but for tokens whose index is -1 ("no LoRA"):
+vLLM's `weights[-1]` reads the last slot there, so a base-model request sharing a step with adapter
+requests got the adapter of slot `max_loras - 1` whenever one was loaded there (a base request
+served beside two adapters gave other tokens than transformers in the test suite); here they get
+no LoRA, as vLLM's GPU kernels and its own comment ("-1 means no lora") intend. Installed only over the version measured (the three ops' signatures);
 `GRAFT_VLLM_LORA_OPS=vllm` in the server's environment (`VllmServerConfig.lora_ops`) keeps vLLM's own.
 
 Shape suffixes: T tokens, I input features, O output features of one LoRA matrix, L adapter slots.
@@ -36,15 +39,16 @@ _PARAMETERS = {  # the measured version's signatures; another version keeps its 
 
 def lora_matvec(inputs_TI: torch.Tensor, weights_LOI: torch.Tensor, indices_T: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """outputs_TO[t] = weights_LOI[indices_T[t]] @ inputs_TI[t], one matrix product per adapter used."""
+    """outputs_TO[t] = weights_LOI[indices_T[t]] @ inputs_TI[t] (0 where the index is -1), one matrix
+    product per adapter used."""
     if weights_LOI.dim() == 4:  # [L, 1, O, I]
         weights_LOI = weights_LOI.squeeze(1)
     inputs_TI = inputs_TI.to(dtype)
     slots = torch.unique(indices_T)
-    if slots.numel() == 1:
+    if slots.numel() == 1 and slots[0] >= 0:
         return inputs_TI @ weights_LOI[slots[0]].to(dtype).T
-    outputs_TO = inputs_TI.new_empty(inputs_TI.shape[0], weights_LOI.shape[1])
-    for slot in slots:
+    outputs_TO = inputs_TI.new_zeros(inputs_TI.shape[0], weights_LOI.shape[1])  # -1: no adapter, adds 0
+    for slot in slots[slots >= 0]:
         rows = indices_T == slot
         outputs_TO[rows] = inputs_TI[rows] @ weights_LOI[slot].to(dtype).T
     return outputs_TO

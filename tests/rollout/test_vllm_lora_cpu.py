@@ -14,7 +14,7 @@ VLLM_OPS = {name: getattr(lora_ops, name) for name in ("bgmv_shrink", "bgmv_expa
 SLOTS, TOKENS, IN, OUT = 4, 37, 48, 24
 INDICES = {
     "one adapter": torch.full((TOKENS,), 2),
-    "two adapters and none": torch.tensor([0, 2, -1] * 12 + [2]),
+    "two adapters and none": torch.tensor([0, 1, -1] * 12 + [1]),
     "one token": torch.tensor([1]),
 }
 
@@ -27,11 +27,22 @@ def _case(indices_T: torch.Tensor, stack_4d: bool, seed: int = 0):
                                                                                  generator=gen)
 
 
+def _vllm_weights(weights, indices_T):
+    """vLLM's ops read `weights[-1]` (the last slot) for a token without an adapter; graft's add
+    nothing: the same as vLLM's with that slot empty."""
+    if (indices_T == -1).any():
+        weights = weights.clone()
+        weights[-1] = 0
+    return weights
+
+
 @pytest.mark.parametrize("stack_4d", [False, True])
 @pytest.mark.parametrize("indices", INDICES, ids=list(INDICES))
 def test_shrink_and_expand_equal_vllms_ops(indices, stack_4d):
+    """Equal to vLLM's ops where the last slot is empty (tokens without an adapter add nothing)."""
     indices_T = INDICES[indices]
     inputs_TI, weights, out = _case(indices_T, stack_4d)
+    weights = _vllm_weights(weights, indices_T)
     for add_inputs in (False, True):
         got, want = out.clone(), out.clone()
         vllm_lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, add_inputs)
@@ -46,6 +57,19 @@ def test_shrink_and_expand_equal_vllms_ops(indices, stack_4d):
     vllm_lora_cpu.bgmv_shrink(inputs_TI, weights, got, indices_T, 0.5)
     VLLM_OPS["bgmv_shrink"](inputs_TI, weights, want, indices_T, 0.5)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_tokens_without_an_adapter_get_none_even_when_the_last_slot_holds_one():
+    """vLLM-CPU's own ops apply slot max_loras-1 to "-1" tokens; graft's apply nothing."""
+    indices_T = torch.tensor([-1, 2, -1, -1])
+    inputs_TI, weights, out = _case(indices_T, stack_4d=False)
+    got = out.clone()
+    vllm_lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, True)
+    torch.testing.assert_close(got[indices_T == -1], out[indices_T == -1], rtol=0, atol=0)
+    torch.testing.assert_close(got[1, :OUT], out[1, :OUT] + weights[2] @ inputs_TI[1], rtol=1e-6, atol=1e-5)
+    only_base = out.clone()
+    vllm_lora_cpu.bgmv_expand(inputs_TI, weights, only_base, torch.full((4,), -1), False)
+    assert not only_base[:, :OUT].any()
 
 
 def test_one_output_row_broadcasts_as_in_vllm():
