@@ -14,8 +14,10 @@ agree to float rounding, ~1e-7 relative in fp32), but for tokens whose index is 
 vLLM's `weights[-1]` reads the last slot there, so a base-model request sharing a step with adapter
 requests got the adapter of slot `max_loras - 1` whenever one was loaded there (a base request
 served beside two adapters gave other tokens than transformers in the test suite); here they get
-no LoRA, as vLLM's GPU kernels and its own comment ("-1 means no lora") intend. Installed only over the version measured (the three ops' signatures);
-`GRAFT_VLLM_LORA_OPS=vllm` in the server's environment (`VllmServerConfig.lora_ops`) keeps vLLM's own.
+no LoRA, as vLLM's GPU kernels and its own comment ("-1 means no lora") intend.
+
+Installed only over the version measured (the three ops' signatures); `GRAFT_VLLM_LORA_OPS=vllm`
+in the server's environment (`VllmServerConfig.lora_ops`) keeps vLLM's own.
 
 Shape suffixes: T tokens, I input features, O output features of one LoRA matrix, L adapter slots.
 """
