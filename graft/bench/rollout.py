@@ -11,6 +11,7 @@ round (base, adapter, merged) so machine noise hits all of them alike; medians o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -66,16 +67,13 @@ async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, req
     The servers are left as found: serving `base`, without the bench adapter.
     """
     rates: dict[str, list[float]] = {mode: [] for mode in MODES if vllm_ops_url or mode != "adapter_vllm_ops"}
-    async with VllmClient(url) as client, VllmClient(vllm_ops_url or url) as stock:
-        await client.load_adapter(ADAPTER, str(adapter))
-        if vllm_ops_url:
-            await stock.load_adapter(ADAPTER, str(adapter))
-        try:
-            await _rounds(client, stock if vllm_ops_url else None, base, merged, requests, repeats, rates)
-        finally:
-            await client.unload_adapter(ADAPTER)
-            if vllm_ops_url:
-                await stock.unload_adapter(ADAPTER)
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(VllmClient(url))
+        stock = await stack.enter_async_context(VllmClient(vllm_ops_url)) if vllm_ops_url else None
+        for server in filter(None, (client, stock)):
+            await server.load_adapter(ADAPTER, str(adapter))
+            stack.push_async_callback(server.unload_adapter, ADAPTER)
+        await _rounds(client, stock, base, merged, requests, repeats, rates)
     return rates
 
 

@@ -297,12 +297,12 @@ def _prompt_units(sequences: list[Sequence], unit_tokens: int) -> list[list[int]
 def _unit_layout(sequences: list[Sequence], unit: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:
     """(ids, position ids, completion mask, branch number: -1 in the prefix) of one unit."""
     prompt = sequences[unit[0]][0]
-    ids, positions, mask, branch = list(prompt[:-1]), list(range(len(prompt) - 1)), [False] * (len(prompt) - 1), \
-        [-1] * (len(prompt) - 1)
+    prefix = len(prompt) - 1
+    ids, positions, mask, branch = list(prompt[:-1]), list(range(prefix)), [False] * prefix, [-1] * prefix
     for b, i in enumerate(unit):
         completion = sequences[i][1]
         ids += [prompt[-1], *completion]
-        positions += range(len(prompt) - 1, len(prompt) + len(completion))
+        positions += range(prefix, len(prompt) + len(completion))
         mask += [True] * len(completion) + [False]  # position k predicts completion token k
         branch += [b] * (1 + len(completion))
     return ids, positions, mask, branch
@@ -330,6 +330,7 @@ def pack_shared_prompts(sequences: list[Sequence], unit_tokens: int, pad_id: int
     lengths = [len(u[0]) for u in units]
     rows = first_fit_rows(lengths, max(lengths))
     width = max(sum(len(units[u][0]) for u in row) for row in rows)
+    causal_LL = torch.ones(width, width, dtype=torch.bool).tril()
     ids, positions, masks, allowed, order = [], [], [], [], []
     for row in rows:
         row_ids, row_positions, row_mask, unit_of, branch_of = [], [], [], [], []
@@ -346,7 +347,7 @@ def pack_shared_prompts(sequences: list[Sequence], unit_tokens: int, pad_id: int
         positions.append(row_positions + list(range(tail)))
         masks.append(row_mask + [False] * tail)
         unit_L, branch_L = torch.tensor(unit_of + [-1] * tail), torch.tensor(branch_of + [-1] * tail)
-        allowed.append((unit_L[:, None] == unit_L[None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+        allowed.append((unit_L[:, None] == unit_L[None, :]) & causal_LL
                        & ((branch_L[None, :] == -1) | (branch_L[None, :] == branch_L[:, None])))
     return SharedPromptRows(torch.tensor(ids), torch.tensor(positions), torch.tensor(masks), torch.stack(allowed),
                             order)

@@ -117,7 +117,7 @@ class MicroBatch:
     Attributes:
         rows: Batch rows, in the order of the result rows of `scored` (packed: layout order).
         input_ids_xT: `[B, T]` right-padded or `[R, L]` packed rows.
-        attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit); an
+        attention_mask_xT: 1/0 mask when padded; None when packed (the position ids delimit); a
             boolean `[R, 1, L, L]` mask (True = attend) when prompts are shared.
         position_ids_xT: Restarting per sequence when packed; None when padded (HF's arange).
         completion_mask_xT: True where the next token is a completion token.
@@ -157,14 +157,12 @@ def lay_out(model: nn.Module, batch: RolloutBatch, rows: list[int], pad_id: int,
     if train.share_prompts and _attention(model) == "sdpa" and len({tuple(p) for p, _ in sequences}) < len(sequences):
         p = pack_shared_prompts(sequences, SHARED_UNIT_TOKENS, pad_id)
         attention_mask = p.allowed_RLL[:, None].to(device)  # sdpa's boolean mask: True = attend
-        ids_RL, positions_RL, mask_RL = p.input_ids_RL, p.position_ids_RL, p.completion_mask_RL
     else:
         p = pack_rows(sequences, max(len(q) + len(c) for q, c in sequences), pad_id)
-        ids_RL, positions_RL, mask_RL = p.input_ids_RL, p.position_ids_RL, p.completion_mask_RL
     rows = [rows[i] for i in p.order]
     mask_BC = completion_rows_mask([len(batch.sequences[r][1]) for r in rows], device)
-    return MicroBatch(rows, ids_RL.to(device), attention_mask, positions_RL.to(device), mask_RL.to(device),
-                      mask_BC, _loss_mask(batch, rows, mask_BC))
+    return MicroBatch(rows, p.input_ids_RL.to(device), attention_mask, p.position_ids_RL.to(device),
+                      p.completion_mask_RL.to(device), mask_BC, _loss_mask(batch, rows, mask_BC))
 
 
 def _attention(model: nn.Module) -> str | None:
