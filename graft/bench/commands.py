@@ -53,7 +53,7 @@ def _bench_cores(args: argparse.Namespace) -> dict:
 def _bench_learning(args: argparse.Namespace) -> dict:
     from graft.bench.learning import print_learning_report, run_learning_bench
 
-    result = run_learning_bench(steps=args.steps or 150, out_dir=Path(args.plot_dir))
+    result = run_learning_bench(steps=args.steps or 150, seed=args.seed, out_dir=Path(args.plot_dir))
     print_learning_report(result)
     return result
 

@@ -68,7 +68,7 @@ def save_checkpoint(checkpoints_dir: Path, model: peft.PeftModel, optimizer: tor
 
     Args:
         trainer_state: the trainer's counters; must be JSON-serialisable (comes back with JSON types).
-        step: the optimizer step the state is at; names the directory. Re-saving a step replaces it.
+        step: the GRPO step the state is at; names the directory. Re-saving a step replaces it.
         keep: how many checkpoints to keep, this one included; 0 keeps all.
         write: whether this rank writes. Under FSDP2 gathering the adapter and the optimizer state is
             a collective, so EVERY rank must call this; only the writer (rank 0) writes, and its RNG

@@ -1,6 +1,6 @@
-"""The run's metrics: RUN_DIR/metrics.jsonl (one JSON object per optimizer step), RUN_DIR/eval.jsonl
-(held-out accuracy), TensorBoard event files in RUN_DIR/tensorboard, and RUN_DIR/reward.png
-redrawn at most every `PLOT_EVERY_S` seconds, at every evaluation and when the log closes.
+"""The run's metrics: RUN_DIR/metrics.jsonl (one JSON object per GRPO step: a rollout batch and its
+update), RUN_DIR/eval.jsonl (held-out accuracy), TensorBoard event files in RUN_DIR/tensorboard,
+and RUN_DIR/reward.png redrawn at most every `PLOT_EVERY_S` seconds, at every evaluation and when the log closes.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class MetricsLog:
             ax.plot(steps, smooth, color="tab:blue", linewidth=2, label=f"train reward ({SMOOTHING}-step mean)")
         if self.evals:
             ax.plot(*zip(*self.evals), "o--", color="tab:orange", label=self.held_out)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("GRPO step (rollout batch + update)")
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from graft.bench import learning
 from graft.bench.e2e import (
     Workload,
     _reload_base,
@@ -34,6 +35,7 @@ from graft.bench.learning import trl_spec as learning_trl_spec
 from graft.bench.rollout import prepare_adapter_and_merged
 from graft.bench.trl_env import run_trl, trl_python
 from graft.bench.trl_worker import prompt_rows, reward_function, trl_arguments
+from graft.cli import main
 from graft.config import load_config
 from graft.quickstart.base import default_cache_dir
 from graft.rollout.vllm_client import VllmClient
@@ -136,6 +138,18 @@ def test_per_batch_gaps_pair_the_evaluations_of_equal_rollout_batch_counts():
     assert [g["batches"] for g in gaps] == [25, 50]
     assert [g["gap"] for g in gaps] == pytest.approx([-0.05, 0.1])
 
+
+
+def test_bench_learning_command_runs_the_seed_it_is_given(monkeypatch, tmp_path):
+    """Seeds 1 and 2 of the learning target are reproducible from the CLI, not only from Python."""
+    calls = []
+    monkeypatch.setattr(learning, "run_learning_bench",
+                        lambda **kwargs: calls.append(kwargs) or {"seed": kwargs["seed"]})
+    monkeypatch.setattr(learning, "print_learning_report", lambda result: None)
+    out = tmp_path / "learning.json"
+    assert main(["bench", "learning", "--seed", "2", "--plot-dir", str(tmp_path), "--json", str(out)]) == 0
+    assert calls == [{"steps": 150, "seed": 2, "out_dir": tmp_path}]
+    assert json.loads(out.read_text()) == {"seed": 2}
 
 @pytest.mark.vllm
 @pytest.mark.trl
