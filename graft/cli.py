@@ -266,8 +266,7 @@ def _add_bench_command(sub) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="e2e, cores: steps per run, the first 2 are warm-up (default 6); "
                         "learning: graft's steps (default 150)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="learning: seed of the quickstart base and of both sides' training (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="learning: seed of the base and of both runs (default 0)")
     p.add_argument("--plot-dir", default="runs/bench", help="where plots are written (default runs/bench)")
     p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
     p.add_argument("--sweep", choices=["size", "rank"],
