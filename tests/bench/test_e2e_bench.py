@@ -139,7 +139,6 @@ def test_per_batch_gaps_pair_the_evaluations_of_equal_rollout_batch_counts():
     assert [g["gap"] for g in gaps] == pytest.approx([-0.05, 0.1])
 
 
-
 def test_bench_learning_command_runs_the_seed_it_is_given(monkeypatch, tmp_path):
     """Seeds 1 and 2 of the learning target are reproducible from the CLI, not only from Python."""
     calls = []
@@ -150,6 +149,7 @@ def test_bench_learning_command_runs_the_seed_it_is_given(monkeypatch, tmp_path)
     assert main(["bench", "learning", "--seed", "2", "--plot-dir", str(tmp_path), "--json", str(out)]) == 0
     assert calls == [{"steps": 150, "seed": 2, "out_dir": tmp_path}]
     assert json.loads(out.read_text()) == {"seed": 2}
+
 
 @pytest.mark.vllm
 @pytest.mark.trl
