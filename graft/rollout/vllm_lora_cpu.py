@@ -6,8 +6,8 @@ adapter matrix per token — `weights[indices]`, a [tokens, out, in] copy — an
 matrix-vector product per token. An RL rollout serves one adapter to the whole batch, so the same
 products are one matrix product per adapter in the batch, without the copy. Measured on 2 cores
 (the quickstart's model, hidden 128, 2 layers, LoRA r=8 on every linear layer; 32 prompts x 8
-samples x 8 tokens, one call): 0.64 s through vLLM's ops against 0.26 s through the base weights;
-see `graft bench rollout` for the side-by-side numbers with these ops.
+samples x 8 tokens, one call, medians of 10): 0.70 s through vLLM's ops, 0.42 s through these,
+0.29-0.32 s through the base weights; `graft bench rollout` measures the two side by side.
 
 Same arguments and results as vLLM's (the same dot products, summed in another order: results
 agree to float rounding, ~1e-7 relative in fp32), but for tokens whose index is -1 ("no LoRA"):
