@@ -4,23 +4,36 @@ Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. ``mask_BT`` is Tru
 count; masked positions are selected out with ``torch.where`` (padding may hold inf or NaN).
 
 Every aggregation is ``sum over the batch of per-row terms / divisor``. A batch split over ranks and
-micro-batches passes each part the whole batch's divisor (``AGGREGATION_DIVISORS[name](lengths)``),
+micro-batches passes each part the whole batch's divisor (``get_aggregation(name).divisor(lengths)``),
 so the parts' losses and gradients add up to exactly those of the whole.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from graft.rl.registry import lookup
 
-# (values_BT, mask_BT, divisor, norm_tokens) -> scalar; divisor None = this batch is the whole.
-Aggregation = Callable[..., Tensor]
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One registered aggregation: how it reduces and what it divides a whole batch by.
+
+    Attributes:
+        reduce: ``(values_BT, mask_BT, divisor=None, norm_tokens=None) -> scalar``, the batch loss;
+            ``divisor`` None = this batch is the whole, else the whole batch's divisor.
+        divisor: ``(lengths, norm_tokens=None) -> float``, that divisor for a whole batch whose rows
+            count ``lengths`` tokens.
+    """
+
+    reduce: Callable[..., Tensor]
+    divisor: Callable[..., float]
 
 
-def _token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
-                norm_tokens: int | None = None) -> Tensor:
+def token_mean(values_BT: Tensor, mask_BT: Tensor, divisor: float | None = None,
+               norm_tokens: int | None = None) -> Tensor:
     """Mean over all valid tokens of the batch: long sequences weigh more (DAPO's token-level loss)."""
     count = mask_BT.sum().clamp(min=1) if divisor is None else divisor
     return torch.where(mask_BT, values_BT, 0.0).sum() / count
@@ -65,18 +78,11 @@ def _count_sequences_times_norm(lengths: list[int], norm_tokens: int | None = No
     return float(max(1, len(lengths)) * max(1, norm_tokens or max(lengths, default=1)))
 
 
-# Loss aggregations by name, and the divisor of each for a whole batch of completion ``lengths``.
 AGGREGATIONS: dict[str, Aggregation] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
-AGGREGATION_DIVISORS: dict[str, Callable[..., float]] = {
-    "token-mean": _count_tokens,
-    "seq-mean-token-mean": _count_sequences,
-    "seq-mean-token-sum": _count_sequences,
-    "seq-mean-token-sum-norm": _count_sequences_times_norm,
+    "token-mean": Aggregation(token_mean, _count_tokens),
+    "seq-mean-token-mean": Aggregation(_seq_mean_token_mean, _count_sequences),
+    "seq-mean-token-sum": Aggregation(_seq_mean_token_sum, _count_sequences),
+    "seq-mean-token-sum-norm": Aggregation(_seq_mean_token_sum_norm, _count_sequences_times_norm),
 }
 
 

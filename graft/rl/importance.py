@@ -90,15 +90,13 @@ def mismatch_weights(trainer_logprobs_BT: Tensor, engine_logprobs_BT: Tensor, ma
     Raises:
         ValueError: If ``mode`` is not registered or ``cap`` is not positive.
     """
-    if mode not in MISMATCH_CORRECTIONS:
-        raise ValueError(f"unknown mismatch correction {mode!r}; registered: {sorted(MISMATCH_CORRECTIONS)}")
+    level, action = lookup(MISMATCH_CORRECTIONS, mode, "mismatch correction")
     with torch.no_grad():
         log_w_BT = trainer_logprobs_BT.detach() - engine_logprobs_BT.detach()
         count = mask_BT.sum().clamp(min=1)
         stats = {"mismatch_kl": (torch.where(mask_BT, torch.expm1(log_w_BT) - log_w_BT, 0.0).sum() / count).item()}
         if cap is None:
             return None, {**stats, "tis_weight_mean": 1.0, "tis_capped_fraction": 0.0}
-        level, action = MISMATCH_CORRECTIONS[mode]
         if level == "token" and action == "truncate":
             weights_BT = truncated_importance_weights(trainer_logprobs_BT, engine_logprobs_BT, cap)
             ratio_BT = torch.exp(log_w_BT)

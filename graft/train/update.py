@@ -6,7 +6,7 @@ clipped). The rows are dealt into the mini-batches at random, seeded by the step
 with `train.shuffle_mini_batches: false` as consecutive whole prompt groups (verl's split). A
 mini-batch may be split further over data-parallel ranks (FSDP2; the ranks of one tensor-parallel
 group share their rows and hold the same losses) and micro-batches:
-every part's loss is divided by the whole mini-batch's divisor (`AGGREGATION_DIVISORS`), so
+every part's loss is divided by the whole mini-batch's divisor (`Aggregation.divisor`), so
 gradients summed over parts and ranks equal those of the whole mini-batch on one process, and the
 reported metrics are whole-batch values. Which rows go to which rank and micro-batch, and how a
 micro-batch is laid out (packed or padded), is `graft.train.micro_batches`'s: the loss sees one row
@@ -28,12 +28,14 @@ from torch import nn
 from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.rl.advantages import group_advantages
+from graft.rl.aggregations import get_aggregation
 from graft.rl.importance import mismatch_weights
-from graft.rl.losses import AGGREGATION_DIVISORS, LossOptions, grpo_loss
+from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
 from graft.train.distributed import Dist, clip_grad_norm
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
+from graft.train.step_plan import mini_batch_shuffle_seed
 
 
 class NonFiniteUpdateError(ValueError):
@@ -149,7 +151,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     lengths = [batch.loss_tokens(r) for r in range(len(batch.sequences))]  # the tokens each row's loss counts
     leave_out_truncated = train.overlong_filter or batch.mask_truncated
     left_out = frozenset(r for r, cut in enumerate(batch.truncated) if cut) if leave_out_truncated else frozenset()
-    shuffle_seed = train.seed * 1_000_003 + step if train.shuffle_mini_batches else None
+    shuffle_seed = mini_batch_shuffle_seed(train.seed, step, train.shuffle_mini_batches)
     minis = _mini_batches(n_prompts, group, train.mini_batches, left_out, shuffle_seed)
     if not minis:  # every completion left out of the loss: nothing to learn from this batch
         return {"loss": math.nan, **dict.fromkeys(_TOKEN_STATS, None), "grad_norm": math.nan, "optimizer_steps": 0,
@@ -161,9 +163,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     cache, advantages, shaping = _before_the_first_step(model, batch, plans_by_rank, train, pad_id, ctx, single_step)
     params = list(lora_parameters(model).values())
     losses, grad_norms, tokens, sums, skipped = [], [], 0.0, dict.fromkeys(_TOKEN_STATS, 0.0), 0
+    aggregation = get_aggregation(train.loss_agg)
     for _ in range(train.epochs):
         for mini, micros in zip(minis, plans_by_rank[ctx.dp_rank]):
-            divisor = AGGREGATION_DIVISORS[train.loss_agg]([lengths[r] for r in mini], train.loss_norm_tokens)
+            divisor = aggregation.divisor([lengths[r] for r in mini], train.loss_norm_tokens)
             loss_sum = 0.0
             for part, weight in micros:
                 loss, stats = _micro_batch_loss(model, batch, part, advantages, train, pad_id, divisor, cache,
@@ -256,11 +259,11 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
                                         train.tis_mode, train.tis_cap)
     # With an entropy bonus the entropy takes part in the gradient; otherwise it is only reported.
     entropy_BC = entropy_BC if train.entropy_coef else entropy_BC.detach()
-    # With the KL in the reward the loss has no KL term; the reference log-probs still give the KL metric.
-    kl_coef = train.kl_coef if train.kl_in == "loss" else 0.0
-    loss, stats = grpo_loss(logprobs_BC, old_BC, ref_BC, advantages[rows], loss_mask_BC,
-                            clip_eps=train.clip_eps, kl_coef=kl_coef, entropy_BT=entropy_BC,
-                            entropy_coef=train.entropy_coef, agg=train.loss_agg, tis_weights_BT=tis_BC,
-                            divisor=divisor, options=LossOptions.from_config(train))
+    # With the KL in the reward the loss has no KL term (LossOptions.from_config); the reference
+    # log-probs still give the KL metric.
+    loss, stats = grpo_loss(LossInputs(
+        logprobs_BT=logprobs_BC, old_logprobs_BT=old_BC, advantages_B=advantages[rows], mask_BT=loss_mask_BC,
+        ref_logprobs_BT=ref_BC, entropy_BT=entropy_BC, tis_weights_BT=tis_BC, divisor=divisor,
+        options=LossOptions.from_config(train)))
     stats.update(mismatch)
     return loss, stats

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from graft.config import TrainConfig
-from graft.rl.aggregations import AGGREGATION_DIVISORS, AGGREGATIONS
+from graft.rl.aggregations import AGGREGATIONS
 from graft.rl.importance import RATIO_LEVELS
 from graft.rl.kl import KL_ESTIMATORS
-from graft.rl.losses import LossOptions, grpo_loss
+from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 
 
 def _batch(seed: int, b: int = 5, t: int = 7, spread: float = 0.3):
@@ -32,8 +32,9 @@ def _batch(seed: int, b: int = 5, t: int = 7, spread: float = 0.3):
 
 def _loss_and_grad(logprobs_BT, old_BT, adv_B, mask_BT, agg, ref_BT=None, kl_coef=0.0, tis_BT=None, **options):
     lp_BT = logprobs_BT.clone().requires_grad_(True)
-    loss, stats = grpo_loss(lp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_eps=0.2, kl_coef=kl_coef, entropy_BT=None,
-                            entropy_coef=0.0, agg=agg, tis_weights_BT=tis_BT, options=LossOptions(**options))
+    options = LossOptions(clip_eps=0.2, kl_coef=kl_coef, entropy_coef=0.0, agg=agg, **options)
+    loss, stats = grpo_loss(LossInputs(lp_BT, old_BT, adv_B, mask_BT, ref_logprobs_BT=ref_BT, tis_weights_BT=tis_BT,
+                                       options=options))
     loss.backward()
     return loss, lp_BT.grad, stats
 
@@ -215,10 +216,11 @@ def test_token_sum_aggregations_by_hand(agg):
     values_BT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, -99.0]])
     mask_BT = torch.tensor([[True, True, True], [True, False, False]])
     norm = 8 if agg.endswith("norm") else 1
-    assert AGGREGATIONS[agg](values_BT, mask_BT, None, 8).item() == pytest.approx((6 + 4) / (2 * norm))
+    aggregation = AGGREGATIONS[agg]
+    assert aggregation.reduce(values_BT, mask_BT, None, 8).item() == pytest.approx((6 + 4) / (2 * norm))
     if agg.endswith("norm"):  # without a constant: the batch's longest completion
-        assert AGGREGATIONS[agg](values_BT, mask_BT, None).item() == pytest.approx(10 / (2 * 3))
-    assert AGGREGATION_DIVISORS[agg]([3, 1], 8) == 2 * norm
+        assert aggregation.reduce(values_BT, mask_BT, None).item() == pytest.approx(10 / (2 * 3))
+    assert aggregation.divisor([3, 1], 8) == 2 * norm
     _, old_BT, _, adv_B, mask_BT = _batch(2)
     _, grad_BT, _ = _loss_and_grad(old_BT, old_BT, adv_B, mask_BT, agg, norm_tokens=8)
     torch.testing.assert_close(grad_BT, -adv_B[:, None] * mask_BT / (mask_BT.shape[0] * norm))
@@ -231,9 +233,10 @@ def test_every_aggregation_of_a_split_batch_adds_up_to_the_whole(agg, norm_token
     lengths = [3, 1, 5, 2, 4]
     mask_BT = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
     values_BT = torch.randn(5, 5, generator=gen)
-    whole = AGGREGATIONS[agg](values_BT, mask_BT, None, norm_tokens)
-    divisor = AGGREGATION_DIVISORS[agg](lengths, norm_tokens)
-    parts = sum(AGGREGATIONS[agg](values_BT[rows], mask_BT[rows], divisor, norm_tokens)
+    aggregation = AGGREGATIONS[agg]
+    whole = aggregation.reduce(values_BT, mask_BT, None, norm_tokens)
+    divisor = aggregation.divisor(lengths, norm_tokens)
+    parts = sum(aggregation.reduce(values_BT[rows], mask_BT[rows], divisor, norm_tokens)
                 for rows in ([0, 1], [2], [3, 4]))
     torch.testing.assert_close(parts, whole)
 

@@ -8,13 +8,10 @@ import math
 import pytest
 import torch
 
-from graft.rl.losses import (
-    AGGREGATION_DIVISORS,
-    AGGREGATIONS,
-    grpo_loss,
-    kl_k3,
-    truncated_importance_weights,
-)
+from graft.rl.aggregations import AGGREGATIONS
+from graft.rl.importance import truncated_importance_weights
+from graft.rl.kl import kl_k3
+from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 
 AGGS = ("token-mean", "seq-mean-token-mean")
 
@@ -33,14 +30,15 @@ def _batch(seed: int, b: int = 4, t: int = 7):
 
 
 def _grpo(logprobs_BT, old_BT, ref_BT, entropy_BT, adv_B, mask_BT, agg, tis_BT=None, kl_coef=0.05, ent=0.01):
-    return grpo_loss(logprobs_BT, old_BT, ref_BT, adv_B, mask_BT, clip_eps=0.2, kl_coef=kl_coef,
-                     entropy_BT=entropy_BT, entropy_coef=ent, agg=agg, tis_weights_BT=tis_BT)
+    options = LossOptions(clip_eps=0.2, kl_coef=kl_coef, entropy_coef=ent, agg=agg)
+    return grpo_loss(LossInputs(logprobs_BT, old_BT, adv_B, mask_BT, ref_logprobs_BT=ref_BT, entropy_BT=entropy_BT,
+                                tis_weights_BT=tis_BT, options=options))
 
 
 def _ppo(logprobs_BT, old_BT, adv_B, mask_BT, clip_eps, agg):
     """PPO-clip alone: the GRPO loss without KL, entropy or importance weights."""
-    return grpo_loss(logprobs_BT, old_BT, None, adv_B, mask_BT, clip_eps=clip_eps, kl_coef=0.0,
-                     entropy_BT=None, entropy_coef=0.0, agg=agg, tis_weights_BT=None)
+    return grpo_loss(LossInputs(logprobs_BT, old_BT, adv_B, mask_BT,
+                                options=LossOptions(clip_eps=clip_eps, kl_coef=0.0, entropy_coef=0.0, agg=agg)))
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -85,8 +83,8 @@ def test_clipping_only_beyond_eps_in_the_direction_of_the_advantage():
 def test_aggregations_match_hand_computed_values_and_differ_on_uneven_lengths():
     values_BT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, -99.0]])
     mask_BT = torch.tensor([[True, True, True], [True, False, False]])
-    assert AGGREGATIONS["token-mean"](values_BT, mask_BT, None).item() == pytest.approx(10 / 4)
-    assert AGGREGATIONS["seq-mean-token-mean"](values_BT, mask_BT, None).item() == pytest.approx((2 + 4) / 2)
+    assert AGGREGATIONS["token-mean"].reduce(values_BT, mask_BT, None).item() == pytest.approx(10 / 4)
+    assert AGGREGATIONS["seq-mean-token-mean"].reduce(values_BT, mask_BT, None).item() == pytest.approx((2 + 4) / 2)
     # Through the loss at ratio 1: every token of row b is -A_b.
     adv_B = torch.tensor([1.0, -3.0])
     zeros_BT = torch.zeros(2, 3)
@@ -208,7 +206,8 @@ def test_aggregation_of_split_batch_adds_up_to_the_whole(agg):
     lengths = [3, 1, 5, 2, 4]
     mask_BT = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
     values_BT = torch.randn(5, 5, generator=gen)
-    whole = AGGREGATIONS[agg](values_BT, mask_BT, None)
-    divisor = AGGREGATION_DIVISORS[agg](lengths)
-    parts = sum(AGGREGATIONS[agg](values_BT[rows], mask_BT[rows], divisor) for rows in ([0, 1], [2], [3, 4]))
+    aggregation = AGGREGATIONS[agg]
+    whole = aggregation.reduce(values_BT, mask_BT, None)
+    divisor = aggregation.divisor(lengths)
+    parts = sum(aggregation.reduce(values_BT[rows], mask_BT[rows], divisor) for rows in ([0, 1], [2], [3, 4]))
     torch.testing.assert_close(parts, whole)

@@ -110,11 +110,12 @@ def test_each_key_reaches_the_loss(tiny_model_dirs, monkeypatch):
     model = trained_like_peft_model(tiny_model_dirs["qwen2"])
     policy_update(model, torch.optim.AdamW(lora_parameters(model).values(), lr=1e-3), _batch(2, 3), config.train,
                   pad_id=0)
-    assert seen["grpo_loss"][1]["options"] == LossOptions(
-        clip_eps_low=0.1, clip_eps_high=0.28, dual_clip_c=3.0, ratio_level="sequence", kl_estimator="k3-clamped",
-        kl_bias_correction=True, norm_tokens=7)
-    assert seen["grpo_loss"][1]["agg"] == "seq-mean-token-sum-norm"
-    assert seen["grpo_loss"][1]["divisor"] == 6 * 7  # the whole batch's rows x the constant length
+    (inputs,), _ = seen["grpo_loss"]
+    assert inputs.options == LossOptions(
+        clip_eps_low=0.1, clip_eps_high=0.28, dual_clip_c=3.0, ratio_level="sequence", kl_coef=0.05,
+        kl_estimator="k3-clamped", kl_bias_correction=True, agg="seq-mean-token-sum-norm", norm_tokens=7)
+    assert inputs.options.agg == "seq-mean-token-sum-norm"
+    assert inputs.divisor == 6 * 7  # the whole batch's rows x the constant length
     assert seen["mismatch_weights"][0][3:] == ("sequence-mask", 1.5)
     assert seen["group_advantages"][1] == {"normalize_std": False, "std": "population", "baseline": "leave-one-out"}
 
@@ -196,5 +197,5 @@ def test_kl_in_the_reward_takes_each_completions_summed_kl_off_its_reward(tiny_m
     want_PG = batch.rewards_PG - 0.05 * torch.tensor(kl_R).view(2, 3)
     torch.testing.assert_close(seen["group_advantages"][0][0], want_PG, rtol=0, atol=1e-5)
     assert metrics["reward_kl_penalty"] == pytest.approx(0.05 * sum(kl_R) / 6, abs=1e-6)
-    assert seen["grpo_loss"][1]["kl_coef"] == 0.0  # still measured: the token mean of the same estimates
+    assert seen["grpo_loss"][0][0].options.kl_coef == 0.0  # still measured: the token mean of the same estimates
     assert metrics["kl"] == pytest.approx(sum(kl_R) / batch.tokens, abs=1e-6)
