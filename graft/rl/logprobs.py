@@ -4,8 +4,8 @@ One forward pass over the given ids; the LM head runs only at the positions aske
 positions at a time, and each chunk's log-softmax (float32) is gathered at the next token — the
 ``[tokens, vocab]`` logits of a whole batch never exist, forward or backward. It is the single
 place graft computes these numbers, so the policy update (old, reference and current policy),
-delivery verification and the reference engine's checks all compare like with like: the quantity inference engines report per sampled token (vLLM's
-``raw_logprobs``: no temperature, no top-p).
+delivery verification and the reference engine's checks all compare like with like: the quantity
+inference engines report per sampled token (vLLM's ``raw_logprobs``: no temperature, no top-p).
 
 Shape suffixes: ``_B`` rows, ``_T`` token positions, ``_V`` vocabulary, ``_C`` completion tokens.
 Alignment: the logits at position ``t`` score token ``t + 1`` (see ``graft.rl.packing``).
