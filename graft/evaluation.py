@@ -62,7 +62,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
         try:
             if env is not None:  # multi-turn: the mean reward of greedy episodes
                 accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
-                                                   config.rollout.max_new_tokens, episode_limits(config))
+                                                   config.rollout.max_new_tokens, EpisodeLimits.of(config))
             else:
                 accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
         finally:
@@ -79,13 +79,3 @@ async def _load_replacing(engine: RolloutEngine, name: str, path: str) -> None:
     except AdapterAlreadyLoadedError:
         await engine.unload_adapter(name)
         await engine.load_adapter(name, path)
-
-
-def episode_limits(config: GraftConfig) -> EpisodeLimits:
-    """`data.max_turns`, and `data.max_episode_tokens` (null: a launched server's `rollout.max_model_len`,
-    which no request may pass, else none)."""
-    data, rollout = config.data, config.rollout
-    max_tokens = data.max_episode_tokens
-    if max_tokens is None and rollout.engine == "vllm" and not rollout.urls:
-        max_tokens = rollout.max_model_len
-    return EpisodeLimits(max_turns=data.max_turns, max_tokens=max_tokens)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
+from graft.config import GraftConfig
 from graft.rollout.engine import Completion, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.turn_batcher import TurnBatcher
 from graft.tasks.envs.base import Env, EnvFactory, StepResult
@@ -47,6 +48,16 @@ class EpisodeLimits:
 
     max_turns: int
     max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, config: GraftConfig) -> EpisodeLimits:
+        """`data.max_turns`, and `data.max_episode_tokens` (null: a launched server's
+        `rollout.max_model_len`, which no request may pass, else none)."""
+        data, rollout = config.data, config.rollout
+        max_tokens = data.max_episode_tokens
+        if max_tokens is None and rollout.engine == "vllm" and not rollout.urls:
+            max_tokens = rollout.max_model_len
+        return cls(max_turns=data.max_turns, max_tokens=max_tokens)
 
 
 @dataclass(frozen=True)

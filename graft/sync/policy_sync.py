@@ -3,8 +3,9 @@
 It builds the configured `SyncMode` (`graft.sync.modes`), syncs each new version through it,
 verifies delivery when `sync.verify` is on, and returns the per-step metrics the run directory
 contract names (`sync_mode`, `sync_seconds`, `sync_bytes`, `engine_adapters_loaded`,
-`logprob_abs_diff_max`), and `engines_live`: the engines still serving the run (a pool drops those that fail, see
-`graft.rollout.pool`).
+`policy_version`), the delivery check's gap (`sync_logprob_abs_diff_max`; the update's own
+`logprob_abs_diff_max` is the batch's gap), and `engines_live`: the engines still serving the run
+(a pool drops those that fail, see `graft.rollout.pool`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from graft.sync.guard import check_finite_policy
 from graft.sync.inflight import InFlightVersions
 from graft.sync.modes import SyncMode, build_sync_mode
 from graft.sync.result import SyncResult
+from graft.sync.served import ServedVersion
 from graft.sync.source import Policy, PolicySource, policy_source
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
 
@@ -42,7 +44,8 @@ class PolicySync:
     """Sync + verify + metrics for one run.
 
     `mode` is the `SyncMode`; `inflight` counts the running requests per version (rollout code
-    enters `inflight.use(version)` around each request so that no version in use is unloaded).
+    enters `inflight.use(version)` around each request so that no version in use is unloaded);
+    `served` is the version rollouts may sample from, which the trainer releases after each sync.
     """
 
     def __init__(self, config: GraftConfig, engine: RolloutEngine, run_dir: str | Path,
@@ -54,16 +57,11 @@ class PolicySync:
         self.warn_only = config.sync.verify_action == "warn"
         weights_dir = weights_dir_of(config, run_dir)
         self.mode: SyncMode = build_sync_mode(config, engine, weights_dir, self.inflight)
-        self.version: int | None = None  # the last version synced
+        self.served = ServedVersion()
 
     def request_adapter(self, version: int) -> str | None:
         """The adapter name a rollout of `version` requests (None: the base model's name)."""
         return self.mode.request_adapter(version)
-
-    @property
-    def adapter(self) -> str | None:
-        """What requests for the newest synced version name (None before the first sync)."""
-        return None if self.version is None else self.request_adapter(self.version)
 
     async def __call__(self, policy: Policy, version: int, step: int) -> dict:
         """Publish `policy` as `version`, apply it to every engine, verify; the step's sync metrics.
@@ -82,9 +80,7 @@ class PolicySync:
         next rollout start here and calls `confirm` beside it (see `graft.train.trainer`)."""
         source = policy_source(policy)
         check_finite_policy(source, version)
-        result = await self.mode.sync(source, version, step)
-        self.version = version
-        return AppliedVersion(source, result)
+        return AppliedVersion(source, await self.mode.sync(source, version, step))
 
     async def confirm(self, applied: AppliedVersion) -> dict:
         """The second half: verify delivery of what `apply` applied; the step's sync metrics
@@ -99,7 +95,7 @@ class PolicySync:
                 "sync_publish_seconds": result.publish_seconds, "sync_apply_seconds": result.apply_seconds,
                 "sync_verify_seconds": verify_seconds,
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
-                "logprob_abs_diff_max": gap, "policy_version": result.version,
+                "sync_logprob_abs_diff_max": gap, "policy_version": result.version,
                 "engines_live": live_engine_count(self.engine)}
 
     def discard_from(self, version: int) -> None:

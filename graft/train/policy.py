@@ -56,7 +56,11 @@ def learning_rate(config: GraftConfig, step: int) -> float:
 
 
 class PolicyState:
-    """Model, sync source, optimizer and the run's position (`step`, `version`) on one rank.
+    """Model, sync source, optimizer and the run's position on one rank.
+
+    `version` is the policy's version: the updates applied so far, so version N is the policy after
+    step N (what step N + 1 trains on and syncs come from). It is the one holder of the trained
+    version; the version the engines serve is `graft.sync.policy_sync.PolicySync.served`.
 
     Args:
         pad_id: the tokenizer's pad token (batches are right-padded with it).
@@ -76,7 +80,7 @@ class PolicyState:
         self._lora: dict[str, torch.Tensor] = {}
         self.source: PolicySource = ShardedSource(self.model, self._lora) if ctx.active else ModelSource(self.model)
         self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
-        self.step, self.version = 0, 0
+        self.version = 0
         if resume:  # a fresh start over checkpoints is refused by the caller, before it writes anything
             self._resume()
         self._gather_for_publishing()
@@ -93,7 +97,7 @@ class PolicyState:
             except CheckpointError as error:  # nothing was changed: try the previous one
                 log.warning("skipping checkpoint %s: %s", path.name, error)
                 continue
-            self.step, self.version = state["step"], state["policy_version"]
+            self.version = state["policy_version"]
             return
         raise ResumeError(f"--resume: no checkpoint in {self.checkpoints} loads (see the warnings above)")
 
@@ -107,7 +111,7 @@ class PolicyState:
             group["lr"] = lr
         metrics = policy_update(self.model, self.optimizer, batch, self.config.train, self.pad_id, self.ctx, step)
         self._gather_for_publishing()
-        self.step, self.version = step, step
+        self.version = step
         return {**metrics, "lr": lr}
 
     def _gather_for_publishing(self) -> None:

@@ -1,20 +1,18 @@
 """One rollout batch: n samples per prompt from the engine's current policy, scored by the reward.
 
-`step_examples` picks a step's prompts (data order), `step_sampling_params` its sampling settings
-and seeds, `build_rollout_batch` samples and scores them.
+`build_rollout_batch` samples and scores the prompts of a step (which prompts and seeds:
+`graft.train.step_plan`); `with_overlong_penalty` shapes the rewards.
 
 Shape suffixes: `_P` prompts, `_G` samples of one prompt (the GRPO group).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from graft.config import GraftConfig
 from graft.rl.shaping import soft_overlong_penalty
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from graft.sync.inflight import InFlightVersions
@@ -47,36 +45,6 @@ class RolloutBatch:
     def loss_tokens(self, row: int) -> int:
         """Completion tokens of `row` the loss counts (the model's own)."""
         return len(self.sequences[row][1]) if self.loss_masks is None else sum(self.loss_masks[row])
-
-
-def step_examples(train_set: list[Example], step: int, batch_prompts: int, seed: int) -> list[Example]:
-    """The prompts of `step` (1-based): consecutive slices of per-epoch shuffles of the train set.
-
-    A pure function of its arguments, so the data cursor of a checkpoint is just the step.
-    """
-    n = len(train_set)
-    first = (step - 1) * batch_prompts
-    out, orders = [], {}
-    for i in range(first, first + batch_prompts):
-        epoch, at = divmod(i, n)
-        if epoch not in orders:
-            orders[epoch] = random.Random(seed * 1_000_003 + epoch).sample(range(n), n)
-        out.append(train_set[orders[epoch][at]])
-    return out
-
-
-def sampling_seed(seed: int, step: int, samples_per_step: int) -> int:
-    """The first of step `step`'s `samples_per_step` consecutive seeds (one per sample, see
-    `build_rollout_batch`); no two (seed, step) pairs share one."""
-    return (seed * 1_000_003 + step) * samples_per_step
-
-
-def step_sampling_params(config: GraftConfig, step: int) -> SamplingParams:
-    """`rollout.n_samples` completions per prompt with the rollout settings, seeded per step."""
-    rollout, train = config.rollout, config.train
-    return SamplingParams(n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p,
-                          max_new_tokens=rollout.max_new_tokens,
-                          seed=sampling_seed(train.seed, step, train.batch_prompts * rollout.n_samples))
 
 
 async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,

@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
+from graft.sync.served import ServedVersion
 from graft.train.rollout_batch import RolloutBatch
 
-# make_batch(step, version) -> the batch for `step`, sampled from policy `version`.
-BatchMaker = Callable[[int, int], Awaitable[RolloutBatch]]
+# make_batch(step, version) -> the batch for `step`, sampled from policy `version`
+# (`graft.train.batch_maker.BatchMaker.make`).
+MakeBatch = Callable[[int, int], Awaitable[RolloutBatch]]
 
 
 class RolloutProducer:
@@ -25,20 +27,20 @@ class RolloutProducer:
 
     Args:
         make_batch: Samples and scores the batch of a step with a given policy version.
+        served: The version rollouts may use (released by the trainer after each sync); each
+            batch is sampled from the newest one served when it starts.
         max_staleness: The bound s; the batch of step t is never sampled from a version < t-1-s.
         first_step, last_step: The steps to produce (inclusive).
-        version: The version served when the producer starts (the trainer's current one).
         engine_lock: Held while a batch is generated; a sync that must not interleave with
             generation (a merged-weight reload) takes it too, so one batch is one version.
     """
 
-    def __init__(self, make_batch: BatchMaker, *, max_staleness: int, first_step: int, last_step: int,
-                 version: int, engine_lock: asyncio.Lock | None = None) -> None:
+    def __init__(self, make_batch: MakeBatch, *, served: ServedVersion, max_staleness: int, first_step: int,
+                 last_step: int, engine_lock: asyncio.Lock | None = None) -> None:
         self._make_batch = make_batch
+        self._served = served
         self.max_staleness = max_staleness
         self._steps = range(first_step, last_step + 1)
-        self._version = version
-        self._served = asyncio.Condition()
         self._queue: asyncio.Queue[RolloutBatch | BaseException] = asyncio.Queue()
         self.engine_lock = engine_lock or asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -54,12 +56,6 @@ class RolloutProducer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def published(self, version: int) -> None:
-        """The trainer tells the producer that `version` is now served."""
-        async with self._served:
-            self._version = version
-            self._served.notify_all()
-
     async def get(self, step: int) -> RolloutBatch:
         """The batch for `step`, sampled from a version within the bound (regenerated if not)."""
         batch = await self._queue.get()
@@ -68,7 +64,7 @@ class RolloutProducer:
         if self.is_too_stale(batch, step):
             self.dropped += 1
             async with self.engine_lock:
-                batch = await self._make_batch(step, self._version)
+                batch = await self._make_batch(step, self._served.version)
         return batch
 
     def is_too_stale(self, batch: RolloutBatch, step: int) -> bool:
@@ -77,10 +73,7 @@ class RolloutProducer:
     async def _run(self) -> None:
         try:
             for step in self._steps:
-                oldest_allowed = step - 1 - self.max_staleness
-                async with self._served:
-                    await self._served.wait_for(lambda: self._version >= oldest_allowed)
-                    version = self._version
+                version = await self._served.at_least(step - 1 - self.max_staleness)
                 async with self.engine_lock:
                     batch = await self._make_batch(step, version)
                 await self._queue.put(batch)

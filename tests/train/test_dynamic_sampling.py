@@ -1,22 +1,13 @@
 """DAPO's dynamic sampling: groups without a learning signal are dropped and refilled with the same
-policy version, within the round cap; refill prompts and seeds are a pure function of (seed, step,
-round); overlong shaping reaches the rewards."""
+policy version, within the round cap; overlong shaping reaches the rewards."""
 
 import asyncio
 
 import pytest
 import torch
 
-from graft.rollout.engine import SamplingParams
-from graft.tasks.examples import Example
-from graft.train.dynamic_sampling import (
-    REFILL_SEED_STRIDE,
-    refill_examples,
-    round_inputs,
-    sample_informative_groups,
-    select_groups,
-)
-from graft.train.rollout_batch import RolloutBatch, step_examples, with_overlong_penalty
+from graft.train.dynamic_sampling import sample_informative_groups, select_groups
+from graft.train.rollout_batch import RolloutBatch, with_overlong_penalty
 
 G = 2
 
@@ -70,23 +61,6 @@ def test_a_first_round_with_signal_everywhere_samples_once():
 def test_one_batch_is_one_policy_version():
     with pytest.raises(AssertionError, match="one policy version"):
         select_groups([_round_batch(0, [[0, 1]], version=1), _round_batch(1, [[0, 1]], version=2)], [(0, 0), (1, 0)])
-
-
-def test_refill_prompts_are_a_pure_function_of_seed_step_and_round():
-    train_set = [Example(prompt=str(i), answer=str(i)) for i in range(50)]
-    first = refill_examples(train_set, step=4, round_=1, batch_prompts=8, seed=0)
-    assert first == refill_examples(train_set, step=4, round_=1, batch_prompts=8, seed=0)
-    assert len({ex.prompt for ex in first}) == 8  # without replacement
-    others = [refill_examples(train_set, 4, 2, 8, 0), refill_examples(train_set, 5, 1, 8, 0),
-              refill_examples(train_set, 4, 1, 8, 1)]
-    assert all(o != first for o in others)
-    assert len(refill_examples(train_set[:3], 1, 1, 8, 0)) == 8  # a small train set: with replacement
-
-    params = SamplingParams(n=4, seed=1234)
-    assert round_inputs(train_set, 4, 0, 8, 0, params) == (step_examples(train_set, 4, 8, 0), params)
-    examples, refill_params = round_inputs(train_set, 4, 2, 8, 0, params)
-    assert examples == refill_examples(train_set, 4, 2, 8, 0) and refill_params.seed == 1234 + 2 * REFILL_SEED_STRIDE
-    assert round_inputs(train_set, 4, 2, 8, 0, SamplingParams(n=4))[1].seed is None  # unseeded stays unseeded
 
 
 def test_overlong_penalty_shapes_the_rewards_by_length():

@@ -12,7 +12,7 @@ from graft.sync.inflight import InFlightVersions
 from graft.tasks.examples import Example
 from graft.tasks.rewards import exact_numeric
 from graft.tasks.scoring import RewardTerm, Scorer
-from graft.train.rollout_batch import build_rollout_batch, sampling_seed
+from graft.train.rollout_batch import build_rollout_batch
 
 
 def _batch(base_dir, seed: int, scorer=Scorer([RewardTerm("exact_numeric", exact_numeric)]), examples=None):
@@ -33,14 +33,6 @@ def test_the_same_prompt_twice_in_a_batch_gets_different_samples_and_the_seed_re
     assert first[:4] != first[4:]  # one seed for every prompt would make these equal
     assert len({tuple(c) for c in first}) == 8
     assert _completions(base_dir, seed=100) == first
-
-
-def test_sampling_seeds_of_different_steps_and_runs_never_overlap():
-    span = 32 * 8
-    firsts = {sampling_seed(seed, step, span) for seed in range(3) for step in range(1, 500)}
-    assert len(firsts) == 3 * 499
-    ordered = sorted(firsts)
-    assert min(b - a for a, b in zip(ordered, ordered[1:])) >= span
 
 
 def test_the_batch_is_scored_in_one_call_grouped_by_prompt(base_dir):

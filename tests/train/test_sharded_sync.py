@@ -126,7 +126,8 @@ def test_rank_zero_publishes_and_verifies_the_one_process_bytes_without_a_model_
         expected = _files(tmp_path / "one" / kind_dir)
         assert expected and _files(tmp_path / "sharded" / kind_dir) == expected, mode  # byte for byte
         assert sharded[mode]["sync_bytes"] == one[mode]["sync_bytes"]
-        assert sharded[mode]["logprob_abs_diff_max"] == pytest.approx(one[mode]["logprob_abs_diff_max"], abs=1e-6)
+        gap = "sync_logprob_abs_diff_max"
+        assert sharded[mode][gap] == pytest.approx(one[mode][gap], abs=1e-6)
     bf16 = "bf16.safetensors"
     assert (tmp_path / "sharded" / bf16).read_bytes() == (tmp_path / "one" / bf16).read_bytes()
     # A delivery that failed (the engine serves the base): the sharded forward measures the same gap.

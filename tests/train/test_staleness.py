@@ -5,12 +5,19 @@ import asyncio
 import pytest
 import torch
 
+from graft.sync.served import ServedVersion
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.staleness import RolloutProducer
 
 
 def _batch(version: int) -> RolloutBatch:
     return RolloutBatch([([1], [2])], [[-1.0]], torch.zeros(1, 1), version, 0.01)
+
+
+async def _served(version: int) -> ServedVersion:
+    served = ServedVersion()
+    await served.release(version)
+    return served
 
 
 async def _run(max_staleness: int, steps: int, train_seconds: float) -> tuple[list[tuple[int, int]], list[int]]:
@@ -24,14 +31,15 @@ async def _run(max_staleness: int, steps: int, train_seconds: float) -> tuple[li
         return _batch(version)
 
     seen, ahead = [], []
-    async with RolloutProducer(make_batch, max_staleness=max_staleness, first_step=1, last_step=steps,
-                               version=0) as producer:
+    served = await _served(0)
+    async with RolloutProducer(make_batch, served=served, max_staleness=max_staleness, first_step=1,
+                               last_step=steps) as producer:
         for step in range(1, steps + 1):
             batch = await producer.get(step)
             seen.append((step, batch.version))
             await asyncio.sleep(train_seconds)
             ahead.append(len(started) - step)
-            await producer.published(step)
+            await served.release(step)
     assert producer.dropped == 0
     return seen, ahead
 
@@ -59,7 +67,8 @@ def test_a_batch_beyond_the_bound_is_never_returned():
         return _batch(version)
 
     async def main():
-        async with RolloutProducer(make_batch, max_staleness=0, first_step=1, last_step=1, version=0) as producer:
+        async with RolloutProducer(make_batch, served=await _served(0), max_staleness=0, first_step=1,
+                                   last_step=1) as producer:
             await producer._queue.put(_batch(version=-3))  # a stale batch jumps the queue
             batch = await producer.get(1)
             return batch, producer.dropped
@@ -73,7 +82,8 @@ def test_a_failing_rollout_reaches_the_trainer():
         raise RuntimeError("engine fell over")
 
     async def main():
-        async with RolloutProducer(make_batch, max_staleness=1, first_step=1, last_step=3, version=0) as producer:
+        async with RolloutProducer(make_batch, served=await _served(0), max_staleness=1, first_step=1,
+                                   last_step=3) as producer:
             await producer.get(1)
 
     with pytest.raises(RuntimeError, match="engine fell over"):

@@ -1,12 +1,9 @@
 import asyncio
 import json
-import os
 
 import pytest
-import torch
 
 from graft.config import load_config
-from graft.train import trainer
 from graft.train.metrics import REQUIRED_KEYS
 from graft.train.trainer import train
 
@@ -305,26 +302,6 @@ def test_runs_sharing_a_sync_dir_never_discard_each_others_versions(base_dir, tm
             f"adapter-v00000{v}.ready" for v in (0, 1, 2)]
 
 
-def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    before = torch.get_num_threads()
-    overlapped = load_config(None, ["rollout.max_staleness=1"])
-    with trainer._leave_a_core_to_local_vllm(overlapped):
-        assert torch.get_num_threads() == 3 or torch.cuda.is_available()
-    assert torch.get_num_threads() == before
-    with trainer._leave_a_core_to_local_vllm(load_config(None, [])):  # on-policy: the two take turns
-        assert torch.get_num_threads() == before
-
-
-def test_only_a_large_model_fixes_the_mmap_threshold_unless_told(tmp_path, monkeypatch):
-    def fixes(parameters, *overrides):
-        monkeypatch.setattr(trainer, "checkpoint_parameters", lambda path: parameters)
-        return trainer._returns_freed_memory(load_config(None, [f"model.path={tmp_path}", *overrides]))
-
-    assert fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS) and not fixes(trainer.AUTO_RETURN_MEMORY_PARAMETERS - 1)
-    assert fixes(1, "train.return_freed_memory=true") and not fixes(10**9, "train.return_freed_memory=false")
-
-
 def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its_batch(base_dir, tmp_path,
                                                                                        monkeypatch):
     """On-policy, the check of version v runs while step v+1's batch is sampled from v (its probe
@@ -332,10 +309,11 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
     batch of its version is trained on."""
     from graft.sync import policy_sync
     from graft.sync.verify import DeliveryError
+    from graft.train import batch_maker
     from graft.train.policy import PolicyState
 
     sampling, learned, checked_before = {}, [], []
-    real_build, real_learn = trainer.build_rollout_batch, PolicyState.learn
+    real_build, real_learn = batch_maker.build_rollout_batch, PolicyState.learn
 
     async def build(*args, version, **kwargs):
         sampling.setdefault(version, asyncio.Event()).set()
@@ -354,7 +332,7 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
             raise DeliveryError("probe gap", address="reference")
         return 0.0
 
-    monkeypatch.setattr(trainer, "build_rollout_batch", build)
+    monkeypatch.setattr(batch_maker, "build_rollout_batch", build)
     monkeypatch.setattr(PolicyState, "learn", learn)
     monkeypatch.setattr(policy_sync, "verify_delivery", check)
     overrides = [f"model.path={base_dir}", *_TINY_RUN, "train.steps=3"]
