@@ -1,6 +1,6 @@
 """Group-relative advantages (GRPO).
 
-Shape suffixes: ``_P`` prompts, ``_G`` completions per prompt (the group).
+Shape suffixes: see graft/__init__.py.
 """
 
 from typing import Literal

@@ -1,7 +1,7 @@
 """Loss aggregations: how per-token losses become the batch loss, each with its whole-batch divisor.
 
-Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. ``mask_BT`` is True at the tokens that
-count; masked positions are selected out with ``torch.where`` (padding may hold inf or NaN).
+Shape suffixes: see graft/__init__.py. ``mask_BT`` is True at the tokens that count; masked
+positions are selected out with ``torch.where`` (padding may hold inf or NaN).
 
 Every aggregation is ``sum over the batch of per-row terms / divisor``. A batch split over ranks and
 micro-batches passes each part the whole batch's divisor (``get_aggregation(name).divisor(lengths)``),

@@ -1,8 +1,8 @@
 """Importance ratios: the policy ratio's level (token or sequence) and the corrections for samples
 drawn by an inference engine whose log-probs differ from the trainer's (train/inference mismatch).
 
-Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. ``mask_BT`` is True at completion
-tokens; padding may hold anything (inf, NaN) and never reaches a row's statistics.
+Shape suffixes: see graft/__init__.py. ``mask_BT`` is True at completion tokens; padding may hold
+anything (inf, NaN) and never reaches a row's statistics.
 """
 
 from collections.abc import Callable

@@ -5,7 +5,7 @@ ratio ref / policy at a sampled token): k1 = ``-d`` is unbiased but can be negat
 ``d^2 / 2`` is biased but low-variance and its gradient is that of the KL, k3 = ``exp(d) - d - 1``
 is unbiased and ``>= 0``. ``k3-clamped`` bounds k3 against far-off tokens as verl's ``low_var_kl``.
 
-Shape suffix ``_BT``: batch rows by tokens; every function works token by token.
+Shape suffixes: see graft/__init__.py. Every function works token by token.
 """
 
 from collections.abc import Callable

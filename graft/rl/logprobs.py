@@ -7,7 +7,7 @@ place graft computes these numbers, so the policy update (old, reference and cur
 delivery verification and the reference engine's checks all compare like with like: the quantity
 inference engines report per sampled token (vLLM's ``raw_logprobs``: no temperature, no top-p).
 
-Shape suffixes: ``_B`` rows, ``_T`` token positions, ``_V`` vocabulary, ``_C`` completion tokens.
+Shape suffixes: see graft/__init__.py.
 Alignment: the logits at position ``t`` score token ``t + 1`` (see ``graft.rl.packing``).
 """
 
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from graft.rl.packing import next_token_targets
 
-# fp32 logits per chunk: C x V elements (64 MiB); a 151,936-token vocabulary gives 110-token chunks.
+# fp32 logits per chunk: positions x V elements (64 MiB); a 151,936-token vocabulary gives 110-token chunks.
 # Forward and backward hold several such buffers (logits, log-softmax, its exp, their gradients).
 # Measured on the 2-layer Qwen2.5-0.5B shape (32 sequences, 16,384 completion tokens): 256 MiB
 # chunks peaked 4.5 GiB above the model, 64-token chunks 2.5 GiB.
@@ -55,10 +55,10 @@ def token_logprobs_and_entropy(logits_xV: Tensor, tokens_x: Tensor, with_entropy
     return logprob_x, entropy_x
 
 
-def _score_chunk(head_forward, hidden_CH: Tensor, targets_C: Tensor, with_entropy: bool) -> Tensor:
-    """``[C, 2]``: (log-prob of the target, entropy) for C positions; the ``[C, V]`` logits live
-    only inside this call."""
-    return torch.stack(token_logprobs_and_entropy(head_forward(hidden_CH), targets_C, with_entropy), dim=-1)
+def _score_chunk(head_forward, hidden_NH: Tensor, targets_N: Tensor, with_entropy: bool) -> Tensor:
+    """``[N, 2]``: (log-prob of the target, entropy) for a chunk of N positions; the ``[N, V]`` logits
+    live only inside this call."""
+    return torch.stack(token_logprobs_and_entropy(head_forward(hidden_NH), targets_N, with_entropy), dim=-1)
 
 
 def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entropy: bool,
@@ -83,10 +83,10 @@ def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entr
                 scores.append(checkpoint(_score_chunk, head_forward, *chunk, with_entropy, use_reentrant=False))
             else:
                 scores.append(_score_chunk(head_forward, *chunk, with_entropy))
-        scores_M2 = torch.cat(scores)
+        scores_N2 = torch.cat(scores)
         if keep_BK is not None:
-            scores_M2 = scores_M2.new_zeros(b * k, 2).masked_scatter(keep_N1.expand(-1, 2), scores_M2)
-        return scores_M2.view(b, k, 2)
+            scores_N2 = scores_N2.new_zeros(b * k, 2).masked_scatter(keep_N1.expand(-1, 2), scores_N2)
+        return scores_N2.view(b, k, 2)
     return forward
 
 

@@ -6,10 +6,9 @@ live in ``graft.rl.aggregations``, the KL estimators in ``graft.rl.kl``, the rat
 mismatch corrections in ``graft.rl.importance``. Callers build one ``LossInputs`` (the tensors and
 the ``LossOptions``) and hand it to ``grpo_loss``.
 
-Shape suffixes: ``_B`` batch rows (sequences), ``_T`` tokens. Every ``_BT`` function also works on
-packed ``[1, N]`` rows. ``mask_BT`` is True at the tokens that count (completion tokens); masked
-positions are selected out with ``torch.where``, so whatever sits at padding (even inf or NaN)
-cannot change the loss.
+Shape suffixes: see graft/__init__.py. Every ``_BT`` function also works on packed ``[1, N]`` rows.
+``mask_BT`` is True at the tokens that count (completion tokens); masked positions are selected out
+with ``torch.where``, so whatever sits at padding (even inf or NaN) cannot change the loss.
 """
 
 from dataclasses import dataclass

@@ -1,15 +1,14 @@
 """Laying (prompt, completion) sequences out for one forward pass: packed or padded.
 
-Shape suffixes: ``_N`` packed tokens (all sequences in one row), ``_B`` batch rows, ``_T`` tokens
-per padded row, ``_R``/``_L`` packed rows / tokens per packed row (``pack_rows``), ``_xT`` any of
-these layouts, ``_C`` completion
-tokens of the longest completion (``completion_rows``: one sequence per row, whatever the layout).
-Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score
-token ``t + 1``. Every ``completion_mask`` here is True at the positions whose NEXT token is a
-completion token, so with ``targets = next_token_targets(input_ids)`` and
-``logprobs, _ = token_logprobs_and_entropy(logits, targets)`` the masked values are exactly the completion
-tokens' log-probs, in order. A sequence of prompt length P and completion length C has its mask
-at in-sequence positions ``P-1 .. P+C-2``.
+Shape suffixes: see graft/__init__.py (here ``_N``: all sequences back to back in one row, ``pack``;
+``_R``/``_L``: ``pack_rows``; ``_C``: ``completion_rows``, one sequence per row whatever the layout).
+
+Alignment, the classic off-by-one: a causal LM's logits at position ``t`` score token ``t + 1``.
+Every ``completion_mask`` here is True at the positions whose NEXT token is a completion token, so
+with ``targets = next_token_targets(input_ids)`` and
+``logprobs, _ = token_logprobs_and_entropy(logits, targets)`` the masked values are exactly the
+completion tokens' log-probs, in order. A sequence of prompt length P and completion length C has
+its mask at in-sequence positions ``P-1 .. P+C-2``.
 
 Packed attention: a packed row needs ``position_ids`` that restart at 0 per sequence (given here)
 AND attention restricted to each sequence's own tokens — a block-diagonal causal mask
@@ -62,10 +61,10 @@ def _check(sequences: list[Sequence]) -> None:
 
 
 def _completion_mask(prompt_len: int, completion_len: int) -> Tensor:
-    """``mask_L`` for one sequence of ``L = P + C`` tokens: True at ``P-1 .. P+C-2``."""
-    mask_L = torch.zeros(prompt_len + completion_len, dtype=torch.bool)
-    mask_L[prompt_len - 1 : prompt_len - 1 + completion_len] = True
-    return mask_L
+    """``mask_T`` for one sequence of ``T = P + C`` tokens: True at ``P-1 .. P+C-2``."""
+    mask_T = torch.zeros(prompt_len + completion_len, dtype=torch.bool)
+    mask_T[prompt_len - 1 : prompt_len - 1 + completion_len] = True
+    return mask_T
 
 
 def next_token_targets(input_ids_xT: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
 """Reward shaping before advantages: DAPO's soft overlong punishment and the KL penalty in the reward.
 
 Both change a completion's scalar reward, not the loss: they act through the group advantages like
-the task's reward does. Shape suffixes: ``_B`` completions (batch rows), ``_BT`` rows by tokens.
+the task's reward does. Shape suffixes: see graft/__init__.py.
 """
 
 import torch

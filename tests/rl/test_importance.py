@@ -2,7 +2,7 @@
 vllm_importance_sampling_mode, verl's rollout correction with the geometric-mean sequence ratio),
 and their statistics.
 
-Shape suffixes: ``_B`` batch rows, ``_T`` tokens.
+Shape suffixes: see graft/__init__.py.
 """
 
 import math

@@ -1,7 +1,7 @@
 """graft.rl.logprobs: token log-probs and entropy, and the one teacher-forced forward, whose chunked
 LM head must give what the full-logits formula gives (values and LoRA gradients, 1e-6 in fp32).
 
-Shape suffixes: ``_B`` batch rows, ``_T`` tokens, ``_V`` vocabulary, ``_C`` completion tokens.
+Shape suffixes: see graft/__init__.py.
 """
 
 import math

@@ -2,7 +2,7 @@
 gradients: GSPO's sequence ratio, asymmetric and dual clipping, the Dr. GRPO and token-sum
 aggregations, the KL estimators and TRL's bias-corrected KL.
 
-Shape suffixes: ``_B`` batch rows, ``_T`` tokens.
+Shape suffixes: see graft/__init__.py.
 """
 
 import math

@@ -1,6 +1,6 @@
 """graft.rl.losses: PPO-clip/GRPO maths, aggregations, masks, and a bit-for-bit reference.
 
-Shape suffixes: ``_B`` batch rows, ``_T`` tokens.
+Shape suffixes: see graft/__init__.py.
 """
 
 import math

@@ -2,7 +2,7 @@
 
 A one-off misalignment elsewhere produced importance ratios of ~451,728 instead of ~1.0; these
 tests compare every layout, token by token, with a direct per-sequence computation.
-Shape suffixes: ``_N`` packed tokens, ``_B`` batch rows, ``_T`` tokens, ``_V`` vocabulary.
+Shape suffixes: see graft/__init__.py.
 """
 
 import pytest
@@ -39,12 +39,12 @@ class FakeLM:
 
     def __init__(self, seed: int = 0, dim: int = 16, max_pos: int = 64):
         g = torch.Generator().manual_seed(seed)
-        self.tok_VD = torch.randn(VOCAB, dim, generator=g, dtype=torch.float64)
-        self.pos_PD = torch.randn(max_pos, dim, generator=g, dtype=torch.float64)
-        self.out_DV = torch.randn(dim, VOCAB, generator=g, dtype=torch.float64)
+        self.tok_VH = torch.randn(VOCAB, dim, generator=g, dtype=torch.float64)
+        self.pos_TH = torch.randn(max_pos, dim, generator=g, dtype=torch.float64)
+        self.out_HV = torch.randn(dim, VOCAB, generator=g, dtype=torch.float64)
 
     def __call__(self, input_ids_xT, position_ids_xT):
-        return (self.tok_VD[input_ids_xT] + self.pos_PD[position_ids_xT]) @ self.out_DV
+        return (self.tok_VH[input_ids_xT] + self.pos_TH[position_ids_xT]) @ self.out_HV
 
 
 def _random_sequences(g: torch.Generator):
@@ -63,9 +63,9 @@ def _direct(model, sequences):
     the logits at position P - 1 + i."""
     out = []
     for prompt, completion in sequences:
-        ids_L = torch.tensor(prompt + completion)
-        logprobs_LV = model(ids_L, torch.arange(len(ids_L))).float().log_softmax(-1)
-        out.append(torch.stack([logprobs_LV[len(prompt) - 1 + i, tok] for i, tok in enumerate(completion)]))
+        ids_T = torch.tensor(prompt + completion)
+        logprobs_TV = model(ids_T, torch.arange(len(ids_T))).float().log_softmax(-1)
+        out.append(torch.stack([logprobs_TV[len(prompt) - 1 + i, tok] for i, tok in enumerate(completion)]))
     return out
 
 
