@@ -18,7 +18,10 @@ class ObjectiveFields(Section):
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="Level of the PPO importance ratio to the old policy: 'token' (PPO/GRPO, each token's "
         "ratio) or 'sequence' (GSPO: exp of the mean token log-ratio of the completion, one ratio per completion, "
-        "clipped as a whole; TRL importance_sampling_level=sequence, verl policy_loss.loss_mode=gspo).")
+        "clipped as a whole; TRL importance_sampling_level=sequence, verl policy_loss.loss_mode=gspo). graft "
+        "writes it as GSPO-token: each token's ratio carries that token's own log-prob gradient, where TRL's "
+        "carries the completion's mean; with tis_cap or kl_bias_correction (per-token weights) the gradient at "
+        "each token's log-prob therefore differs from TRL's, while the loss and each completion's total agree.")
     clip_eps_low: float | None = Field(
         None, gt=0, lt=1, description="Lower clip range: the ratio is clipped below at 1 - clip_eps_low; null = "
         "clip_eps (TRL epsilon, verl clip_ratio_low).")
@@ -31,8 +34,9 @@ class ObjectiveFields(Section):
         "a ratio far above 1 cannot blow it up; null = off (verl clip_ratio_c, 3.0 there).")
     kl_estimator: Literal["k1", "k2", "k3", "k3-clamped"] = Field(
         "k3", description="Estimator of the per-token KL to the frozen base when kl_coef > 0: k1 = logp - ref, "
-        "k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1, k3-clamped = k3 bounded to [-10, 10] "
-        "(verl kl_loss_type k1 / k2 / k3 / low_var_kl; TRL uses k3).")
+        "k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1, k3-clamped = k3 with the log-ratio in "
+        "[-20, 20] and the estimate in [-10, 10]. TRL's k3 is graft's k3; verl's kl_loss_type k1 / k2 are graft's "
+        "k1 / k2, and verl's k3 and low_var_kl are both graft's k3-clamped (verl clamps k3 too).")
     kl_bias_correction: bool = Field(
         False, description="Multiply the KL term by the ratio to the old policy, which sampled the tokens "
         "(TRL use_bias_correction_kl); matters with several optimizer steps per batch. Needs kl_coef > 0.")

@@ -132,7 +132,8 @@ class TrainConfig(ObjectiveFields):
         "graft's default) or 'sample' (over G - 1, torch.std's default, which TRL and verl use: their advantages "
         "are sqrt((G-1)/G) of graft's, 0.935x at G=8). Population because each group's advantages then have unit "
         "RMS whatever the group size G, so the weight of the policy term against kl_coef and entropy_coef does not "
-        "depend on G."
+        "depend on G. Either std gets 1e-6 added before dividing (as verl's); TRL adds 1e-4, so with 'sample' "
+        "graft's advantages differ from TRL's by about 1e-4 / std relative (5e-4 at a group std of 0.2)."
     )
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling with the engine's log-probs, weights capped here; "
