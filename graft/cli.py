@@ -94,11 +94,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def _serve_server(args: argparse.Namespace):
     """The (not yet started) server `graft serve` runs: vLLM, or SGLang from its own virtualenv."""
     from graft.models.loading import require_model_dir
-    from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, exposure_warning
+    from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, exposure_warning
 
     model = str(require_model_dir(args.model))
     if args.engine == "sglang":
-        from graft.rollout.sglang_launcher import SglangServer, SglangServerConfig
+        from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig
 
         if args.api_key_env is not None:
             raise ValueError("--api-key-env is for vLLM: graft launches SGLang on loopback only, without a key")
@@ -370,7 +370,7 @@ def _terminate_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from graft.rollout.engine import EngineError
-    from graft.rollout.vllm_launcher import VllmStartupError
+    from graft.rollout.vllm.launcher import VllmStartupError
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()

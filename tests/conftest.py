@@ -12,8 +12,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from graft.models.tiny import build_tiny_model  # noqa: E402
-from graft.rollout.sglang_launcher import SglangServer, SglangServerConfig, sglang_missing  # noqa: E402
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig  # noqa: E402
+from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig, sglang_missing  # noqa: E402
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig  # noqa: E402
 from tests.helpers import live_group_members  # noqa: E402
 
 ARCHS = ("qwen2", "llama")

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from graft.cli import _serving_lines, main
-from graft.rollout.vllm_launcher import VllmServer, VllmStartupError, free_port
+from graft.rollout.vllm.launcher import VllmServer, VllmStartupError, free_port
 from tests.helpers import live_group_members
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

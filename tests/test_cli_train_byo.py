@@ -84,7 +84,7 @@ def test_graft_config_resolves_the_rewards_too(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.vllm
 def test_a_reward_module_outside_the_package_trains_on_real_vllm(vllm_server, base_dir, tmp_path, monkeypatch):
-    from graft.rollout.vllm_client import VllmClient
+    from graft.rollout.vllm.client import VllmClient
 
     monkeypatch.chdir(tmp_path)
     _data(tmp_path)

@@ -57,7 +57,7 @@ def _start_train(base_dir: Path, run_dir: Path, stderr_path: Path) -> subprocess
 
 def _server_group_mid_run(trainer: subprocess.Popen, run_dir: Path) -> int:
     """The launched vLLM server's process group, once the first step is in metrics.jsonl."""
-    (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm_entry", trainer.pid), 60,
+    (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm.server.entry", trainer.pid), 60,
                           "the trainer to launch vLLM")
     pgid = os.getpgid(server)
     _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text(), 240,

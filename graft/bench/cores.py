@@ -21,7 +21,7 @@ from rich.table import Table
 
 from graft.bench.e2e import LORA, SPLIT, Workload, _load, graft_steps
 from graft.models.tiny import build_tiny_model
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
 WORKLOAD = Workload("16x8x32", 16, 8, 32)
 # Server environment per setting: vLLM's default, every core, every core with OpenMP threads that

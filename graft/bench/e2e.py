@@ -45,8 +45,8 @@ from graft.config import load_config
 from graft.config.rollout import RolloutConfig
 from graft.models.loading import checkpoint_parameters
 from graft.models.tiny import build_tiny_model
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 

@@ -27,7 +27,7 @@ from graft.evaluation import evaluate
 from graft.models.loading import load_tokenizer
 from graft.quickstart.base import QUICKSTART_SETTINGS, cached_base_model, default_cache_dir
 from graft.rollout.factory import open_engine
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.tasks.examples import load_task_data
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train

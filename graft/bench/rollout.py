@@ -1,7 +1,7 @@
 """`graft bench rollout`: generation throughput of one vLLM server for base weights, base + LoRA
 adapter, and the same adapter merged into the weights and reloaded — same prompts, same sampling;
 and of the same adapter on a second server that keeps vLLM-CPU's own LoRA ops (graft's servers
-group the LoRA matmuls by adapter: graft.rollout.vllm_lora_cpu).
+group the LoRA matmuls by adapter: graft.rollout.vllm.server.lora_cpu).
 
 This is the measurement behind merged sync: serving through an adapter costs extra work per token
 (the LoRA kernels), serving merged weights does not. The three modes are interleaved within each
@@ -29,8 +29,8 @@ from graft.lora.export import save_merged_model
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
 ADAPTER = "bench-v1"
 # How each mode serves: base weights; the adapter through graft's grouped LoRA ops (the servers graft

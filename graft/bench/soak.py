@@ -28,8 +28,8 @@ from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from graft.rollout.process_group import group_rss_bytes
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync, adapter_version
 from graft.sync.inflight import InFlightVersions
 from graft.sync.publish import WeightPublisher

@@ -32,8 +32,8 @@ from graft.lora.adapter_io import adapter_state_dict
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
 from graft.models.tokenizer import train_tokenizer
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync

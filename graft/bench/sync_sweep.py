@@ -44,8 +44,8 @@ from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
 from graft.rollout.process_group import group_cpu_seconds
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync
@@ -110,7 +110,7 @@ def _settle(pgid: int) -> None:
     """Untimed, before each mode: flush the disk and wait for the engine to go idle, so a mode does not pay
     for the previous one's writeback or engine work. (vLLM's own entry point spins a core for 1 s after every
     call; on 2 cores that made a 4 MiB raw write right after a merged sync take 0.6-0.9 s instead of 0.04 s.
-    graft's launcher cuts that spin to 50 ms, see graft.rollout.vllm_entry.)"""
+    graft's launcher cuts that spin to 50 ms, see graft.rollout.vllm.server.entry.)"""
     os.sync()
     _wait_engine_idle(pgid)
 

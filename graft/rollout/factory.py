@@ -22,10 +22,10 @@ from graft.models.loading import checkpoint_parameters, require_model_dir
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, RolloutEngine
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
-from graft.rollout.sglang_client import SglangClient
-from graft.rollout.sglang_launcher import SglangServer, SglangServerConfig
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.sglang.client import SglangClient
+from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
 # Backends reachable by URL, by `rollout.engine` name; each takes (url, *, request_timeout_s,
 # control_timeout_s, api_key).

@@ -5,7 +5,7 @@ import io
 from rich.console import Console
 
 from graft.bench import cores
-from graft.rollout.vllm_launcher import VllmServerConfig
+from graft.rollout.vllm.launcher import VllmServerConfig
 
 
 def test_each_setting_reaches_the_server_environment_over_graft_s_own():

@@ -5,7 +5,7 @@ import torch
 
 from graft.bench.rollout import measure_rollout, prepare_adapter_and_merged
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 
 
 async def _greedy_and_adapters(url: str) -> tuple[list[tuple[int, ...]], list[str]]:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 
 KEY = "sk-test-0123456789"
 MODELS = {"object": "list", "data": [{"id": "/models/base", "parent": None}]}

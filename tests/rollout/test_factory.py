@@ -25,8 +25,8 @@ from graft.rollout.engine import BadRequestError, EngineUnavailableError, Genera
 from graft.rollout.factory import launch_config, open_engine, require_weight_reload, resolve_api_key
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, free_port
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, free_port
 from tests.helpers import hf_cache_with, trained_like_peft_model
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -45,7 +45,7 @@ def _status(method: str, url: str) -> int:
 
 def _server_pgid(port: int) -> int:
     """The process group of the vLLM server this process launched on `port` (it leads its own group)."""
-    listing = subprocess.run(["pgrep", "-f", f"graft.rollout.vllm_entry .*--port {port} "], capture_output=True,
+    listing = subprocess.run(["pgrep", "-f", f"graft.rollout.vllm.server.entry .*--port {port} "], capture_output=True,
                              text=True).stdout.split()
     (pgid,) = {os.getpgid(int(pid)) for pid in listing}  # a forked engine core shares the command line
     return pgid

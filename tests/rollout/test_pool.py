@@ -20,7 +20,7 @@ from graft.rollout.engine import (
     UnknownAdapterError,
 )
 from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
-from graft.rollout.sglang_client import SglangClient
+from graft.rollout.sglang.client import SglangClient
 from tests.helpers import unretrieved_task_errors
 
 

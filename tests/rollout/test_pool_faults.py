@@ -24,8 +24,8 @@ from graft.config import load_config
 from graft.lora.adapter_io import save_adapter
 from graft.rollout.engine import BadRequestError, GenerateRequest, SamplingParams, UnknownAdapterError
 from graft.rollout.factory import open_engine
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.train import trainer
 from tests.helpers import trained_like_peft_model
 

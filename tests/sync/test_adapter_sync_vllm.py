@@ -9,7 +9,7 @@ import pytest
 
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.process_group import group_rss_bytes
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 from graft.sync.adapter import adapter_name, adapter_version
 from tests.helpers import randomize_lora, trained_like_peft_model
 from tests.sync.common import make_sync, run, served_version

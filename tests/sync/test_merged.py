@@ -10,7 +10,7 @@ import torch
 
 from graft.lora.attach import lora_parameters
 from graft.rollout.reference import ReferenceEngine
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.verify import verify_delivery

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from graft.lora.adapter_io import save_adapter
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 from graft.sync.verify import DeliveryError, verify_delivery
 from tests.helpers import trained_like_peft_model
 from tests.sync.common import FP32_TOLERANCE

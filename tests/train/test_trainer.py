@@ -31,7 +31,7 @@ def test_grpo_run_on_the_reference_engine_writes_every_metric(base_dir, tmp_path
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_grpo_run_against_the_real_vllm_server(vllm_server, base_dir, tmp_path, mode):
-    from graft.rollout.vllm_client import VllmClient
+    from graft.rollout.vllm.client import VllmClient
 
     config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", f"sync.mode={mode}",
                                 "train.steps=2", "train.batch_prompts=2", "rollout.n_samples=4",
@@ -152,7 +152,7 @@ def test_tensorboard_events_hold_the_metrics(base_dir, tmp_path):
 def test_async_rollout_with_staleness_one_keeps_the_adapter_window(vllm_server, base_dir, tmp_path):
     """max_staleness 1 on the real server: batches come from the current or the previous version,
     generation overlaps training, and the engine never holds more than keep_versions (3) adapters."""
-    from graft.rollout.vllm_client import VllmClient
+    from graft.rollout.vllm.client import VllmClient
     from graft.sync.adapter import adapter_version
 
     config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "sync.mode=adapter",
@@ -184,7 +184,7 @@ def test_adapters_a_killed_run_left_on_a_user_server_block_neither_a_rerun_nor_a
     """A run killed mid-way leaves `<lora.name>-v*` on a server the user runs; the next fresh run
     and a `--resume` load the same names again. Both must start, and leave the server clean."""
     from graft.lora.adapter_io import save_adapter
-    from graft.rollout.vllm_client import VllmClient
+    from graft.rollout.vllm.client import VllmClient
     from tests.helpers import trained_like_peft_model
 
     leftover = tmp_path / "leftover"
@@ -223,7 +223,7 @@ def test_a_diverging_run_stops_with_one_line_and_the_server_keeps_its_last_good_
     import sys
 
     from graft.rollout.engine import GenerateRequest, SamplingParams
-    from graft.rollout.vllm_client import VllmClient
+    from graft.rollout.vllm.client import VllmClient
 
     overrides = [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "lora.name=diverged",
                  "train.steps=3", "train.batch_prompts=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",

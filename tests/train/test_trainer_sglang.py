@@ -8,8 +8,8 @@ import json
 import pytest
 
 from graft.config import load_config
-from graft.rollout.sglang_client import SglangClient
-from graft.rollout.sglang_launcher import sglang_missing
+from graft.rollout.sglang.client import SglangClient
+from graft.rollout.sglang.launcher import sglang_missing
 from graft.train.metrics import REQUIRED_KEYS
 from graft.train.trainer import train
 

@@ -1,8 +1,8 @@
 """`SglangClient`: the rollout engine protocol over SGLang's native HTTP API. EXPERIMENTAL.
 
 Tested three ways: against a real SGLang 0.5.23 server on this CPU machine (`make sglang-venv`;
-`tests/rollout/test_sglang_server.py`, docs/sglang-cpu.md), against answers recorded from that
-server, and against a fake server that replays the shapes in `tests/rollout/sglang_shapes.py`.
+`tests/rollout/sglang/test_client_live.py`, docs/sglang-cpu.md), against answers recorded from that
+server, and against a fake server that replays the shapes in `tests/rollout/sglang/shapes.py`.
 
 The shapes were first read from SGLang's own source (github.com/sgl-project/sglang); versions
 differ, so the files and commits are named here (the recordings confirmed them, plus `rid` and

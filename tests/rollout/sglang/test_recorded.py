@@ -1,5 +1,5 @@
 """SglangClient against answers recorded from a REAL SGLang 0.5.23 server (tests/rollout/
-sglang_shapes.py, section "Recorded"; docs/sglang-cpu.md): each test fails if the client mis-parses
+sglang/shapes.py, section "Recorded"; docs/sglang-cpu.md): each test fails if the client mis-parses
 what SGLang actually sends (triples' order, a list for n outputs, `error` as a string or an object,
 `rid`/`http_worker_ipc` in adapter answers), and the fake server of the flow tests answers the same."""
 
@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from graft.rollout import sglang_client as sc
+from graft.rollout.sglang import client as sc
 from graft.rollout.engine import AdapterAlreadyLoadedError, BadRequestError, EngineError, UnknownAdapterError
 from graft.rollout.http_util import server_message
-from graft.rollout.sglang_client import SglangClient
-from tests.rollout import sglang_shapes as shapes
-from tests.rollout.test_sglang_client import ADDRESS, FakeSglang
+from graft.rollout.sglang.client import SglangClient
+from tests.rollout.sglang import shapes
+from tests.rollout.sglang.test_client import ADDRESS, FakeSglang
 
 
 @pytest.fixture

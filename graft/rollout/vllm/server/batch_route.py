@@ -1,5 +1,5 @@
 """`POST /v1/graft/completions`: a whole rollout batch in one HTTP call, each prompt with its own
-sampling parameters — added to the vLLM API server graft launches (graft.rollout.vllm_entry).
+sampling parameters — added to the vLLM API server graft launches (graft.rollout.vllm.server.entry).
 
 Why: a step's batch sent as one `/v1/completions` call per prompt reaches vLLM's engine in waves
 (its one front-end thread parses request after request while the engine is already stepping), and

@@ -5,7 +5,7 @@ adding into the output or not; and they are installed over the vLLM this project
 import pytest
 import torch
 
-from graft.rollout import vllm_lora_cpu
+from graft.rollout.vllm.server import lora_cpu
 
 lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
@@ -45,16 +45,16 @@ def test_shrink_and_expand_equal_vllms_ops(indices, stack_4d):
     weights = _vllm_weights(weights, indices_T)
     for add_inputs in (False, True):
         got, want = out.clone(), out.clone()
-        vllm_lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, add_inputs)
+        lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, add_inputs)
         VLLM_OPS["bgmv_expand"](inputs_TI, weights, want, indices_T, add_inputs)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
         got, want = out.clone(), out.clone()
-        vllm_lora_cpu.bgmv_expand_slice(inputs_TI, weights, got, indices_T, 5, OUT, add_inputs)
+        lora_cpu.bgmv_expand_slice(inputs_TI, weights, got, indices_T, 5, OUT, add_inputs)
         VLLM_OPS["bgmv_expand_slice"](inputs_TI, weights, want, indices_T, 5, OUT, add_inputs)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
         assert not torch.equal(got, out)
     got, want = out.clone(), out.clone()
-    vllm_lora_cpu.bgmv_shrink(inputs_TI, weights, got, indices_T, 0.5)
+    lora_cpu.bgmv_shrink(inputs_TI, weights, got, indices_T, 0.5)
     VLLM_OPS["bgmv_shrink"](inputs_TI, weights, want, indices_T, 0.5)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
@@ -64,11 +64,11 @@ def test_tokens_without_an_adapter_get_none_even_when_the_last_slot_holds_one():
     indices_T = torch.tensor([-1, 2, -1, -1])
     inputs_TI, weights, out = _case(indices_T, stack_4d=False)
     got = out.clone()
-    vllm_lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, True)
+    lora_cpu.bgmv_expand(inputs_TI, weights, got, indices_T, True)
     torch.testing.assert_close(got[indices_T == -1], out[indices_T == -1], rtol=0, atol=0)
     torch.testing.assert_close(got[1, :OUT], out[1, :OUT] + weights[2] @ inputs_TI[1], rtol=1e-6, atol=1e-5)
     only_base = out.clone()
-    vllm_lora_cpu.bgmv_expand(inputs_TI, weights, only_base, torch.full((4,), -1), False)
+    lora_cpu.bgmv_expand(inputs_TI, weights, only_base, torch.full((4,), -1), False)
     assert not only_base[:, :OUT].any()
 
 
@@ -76,7 +76,7 @@ def test_one_output_row_broadcasts_as_in_vllm():
     """vLLM's expand adds a single computed row to every output row (its `limit` rule)."""
     inputs_TI, weights, out = _case(torch.tensor([3]), stack_4d=False)
     got, want = out.clone(), out.clone()
-    vllm_lora_cpu.bgmv_expand(inputs_TI, weights, got, torch.tensor([3]), True)
+    lora_cpu.bgmv_expand(inputs_TI, weights, got, torch.tensor([3]), True)
     VLLM_OPS["bgmv_expand"](inputs_TI, weights, want, torch.tensor([3]), True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
@@ -86,9 +86,9 @@ def test_installed_over_the_pinned_vllm_unless_turned_off(monkeypatch):
         monkeypatch.setattr(lora_ops, name, op)
         monkeypatch.setattr(punica_cpu, name, getattr(punica_cpu, name))
     monkeypatch.setenv("GRAFT_VLLM_LORA_OPS", "vllm")
-    assert not vllm_lora_cpu.install()
+    assert not lora_cpu.install()
     assert lora_ops.bgmv_expand is VLLM_OPS["bgmv_expand"]
     monkeypatch.setenv("GRAFT_VLLM_LORA_OPS", "grouped")
-    assert vllm_lora_cpu.install(), "the pinned vLLM's op signatures changed: check the grouped ops against them"
-    assert lora_ops.bgmv_expand is vllm_lora_cpu.bgmv_expand
-    assert punica_cpu.bgmv_shrink is vllm_lora_cpu.bgmv_shrink  # the decode path's own import
+    assert lora_cpu.install(), "the pinned vLLM's op signatures changed: check the grouped ops against them"
+    assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
+    assert punica_cpu.bgmv_shrink is lora_cpu.bgmv_shrink  # the decode path's own import

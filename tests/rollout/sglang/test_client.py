@@ -1,5 +1,5 @@
 """SglangClient: request building and response parsing against SGLang's quoted shapes
-(tests/rollout/sglang_shapes.py), then the whole client flow against a small in-process fake SGLang
+(tests/rollout/sglang/shapes.py), then the whole client flow against a small in-process fake SGLang
 HTTP server that answers with those shapes and records every call."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from graft.rollout import sglang_client as sc
+from graft.rollout.sglang import client as sc
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
     BadRequestError,
@@ -27,8 +27,8 @@ from graft.rollout.engine import (
     UnknownAdapterError,
 )
 from graft.rollout.http_util import server_message
-from graft.rollout.sglang_client import SglangClient
-from tests.rollout import sglang_shapes as shapes
+from graft.rollout.sglang.client import SglangClient
+from tests.rollout.sglang import shapes
 
 PROMPT = (791, 6864, 315, 9822, 374)
 ADDRESS = "http://10.0.0.7:30000"
@@ -129,7 +129,7 @@ def test_lora_update_and_weights_update_answers():
 
 class FakeSglang:
     """SGLang's native routes on 127.0.0.1, answering with the quoted shapes (the adapter answers
-    with the keys and words a real SGLang 0.5.23 sent, sglang_shapes "Recorded"); records
+    with the keys and words a real SGLang 0.5.23 sent, shapes.py "Recorded"); records
     (method, path, json body) of every call, every answer by path, and the peak number of
     concurrent /generate calls."""
 

@@ -1,6 +1,6 @@
 """SglangServer: its command line, environment and refusals (no server), then `graft serve --engine
 sglang` for real (marked `sglang`): it serves, and a SIGKILLed graft takes the server down with it
-(the owner watchdog in graft/rollout/sglang_cpu/sitecustomize.py)."""
+(the owner watchdog in graft/rollout/sglang/server/sitecustomize.py)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from graft.rollout.sglang_launcher import (
+from graft.rollout.sglang.launcher import (
     CPU_FIXES_DIR,
     KERNEL_STUB_MARKER,
     SglangServer,
@@ -20,7 +20,7 @@ from graft.rollout.sglang_launcher import (
     sglang_missing,
     sglang_python,
 )
-from graft.rollout.vllm_launcher import OWNER_ENV, free_port
+from graft.rollout.vllm.launcher import OWNER_ENV, free_port
 from tests.helpers import live_group_members
 
 

@@ -31,13 +31,13 @@ from pathlib import Path
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 from graft.rollout.process_group import SERVER_ID_ENV, group_alive, members_carrying, send_to_group
 
-# "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm_lora_cpu); "vllm": vLLM's own.
+# "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm.server.lora_cpu); "vllm": vLLM's own.
 LORA_OPS_ENV = "GRAFT_VLLM_LORA_OPS"
 
 DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
-SERVER_MODULE = "graft.rollout.vllm_entry"
-# The launching process's pid; the server's watchdog (graft.rollout.vllm_entry) stops the server once it is gone.
+SERVER_MODULE = "graft.rollout.vllm.server.entry"
+# The launching process's pid; the server's watchdog (graft.rollout.vllm.server.entry) stops the server once it is gone.
 OWNER_ENV = "GRAFT_OWNER_PID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
@@ -87,7 +87,7 @@ class VllmServerConfig:
         api_key_env: Name of an environment variable holding the API key the server requires on
             `/v1/...` (given to vLLM as `VLLM_API_KEY`, so it never shows in `ps`); None keeps
             whatever `VLLM_API_KEY` the environment has.
-        lora_ops: "grouped" (one matrix product per adapter in the batch, graft.rollout.vllm_lora_cpu)
+        lora_ops: "grouped" (one matrix product per adapter in the batch, graft.rollout.vllm.server.lora_cpu)
             or "vllm" (vLLM-CPU's own per-token ops; `graft bench rollout` compares the two).
 
     Raises:

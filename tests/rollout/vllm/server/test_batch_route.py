@@ -1,4 +1,4 @@
-"""graft's batch route (graft.rollout.vllm_batch_route) through `VllmClient`: a step's requests in one
+"""graft's batch route (graft.rollout.vllm.server.batch_route) through `VllmClient`: a step's requests in one
 call, in order, each prompt with its own seed; on a mock transport, then on the session's real
 vLLM server (where it must sample exactly what one `/v1/completions` call per prompt does).
 
@@ -14,8 +14,8 @@ import pytest
 
 from graft.rollout.engine import GenerateRequest, SamplingParams, UnknownAdapterError
 from graft.rollout.http_util import server_message
-from graft.rollout.vllm_client import VllmClient, completion_payload
-from tests.rollout.test_vllm_client import LOGPROB_ATOL, PROMPTS_P, _choice, _mock_client, run
+from graft.rollout.vllm.client import VllmClient, completion_payload
+from tests.rollout.vllm.test_client import LOGPROB_ATOL, PROMPTS_P, _choice, _mock_client, run
 
 
 def test_a_batch_goes_in_one_call_in_order_with_each_prompts_own_seed():

@@ -1,7 +1,7 @@
 """`VllmClient`: the `RolloutEngine` protocol over a vLLM OpenAI-compatible server's HTTP API.
 
 A `generate` of several requests is one call to graft's batch route (`/v1/graft/completions`,
-added to the servers graft launches: graft.rollout.vllm_batch_route) so the engine sees the whole
+added to the servers graft launches: graft.rollout.vllm.server.batch_route) so the engine sees the whole
 batch at once and each prompt keeps its own seed; on a server without that route, one
 `/v1/completions` call per request (prompt as token ids, `n` samples), run concurrently under one
 semaphore per client. Adapters are chosen by the `model` field; base weights are swapped with
@@ -53,7 +53,7 @@ from graft.rollout.http_util import (
     send,
     server_message,
 )
-from graft.rollout.vllm_batch_route import ROUTE as BATCH_ROUTE
+from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
 
 
 def error_for(status: int, message: str, address: str) -> EngineError:
@@ -211,7 +211,7 @@ class VllmClient:
         return await gather_cancel_on_error(one(r) for r in requests)
 
     async def _generate_batch(self, payloads: list[dict]) -> list[dict] | None:
-        """Every payload in one call to graft's batch route (graft.rollout.vllm_batch_route), so the
+        """Every payload in one call to graft's batch route (graft.rollout.vllm.server.batch_route), so the
         engine schedules the whole batch at once with each prompt's own seed; None when the server
         has no such route (a vLLM not started by graft), remembered for later calls."""
         async with self._semaphore:

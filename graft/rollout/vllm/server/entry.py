@@ -11,7 +11,7 @@ A sleeping reader can miss a wake-up; vLLM then rechecks after 5 s (measured: wi
 steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a missed wake-up costs
 at most that.
 
-Its LoRA matmuls are grouped by adapter (graft.rollout.vllm_lora_cpu).
+Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu).
 
 The patches sit at module top level because vLLM starts its engine core and workers with the
 `spawn` method on CPU, which imports the main module (this one) in every child.
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-from graft.rollout import vllm_lora_cpu
+from graft.rollout.vllm.server import lora_cpu
 
 BUSY_LOOP_S = 0.05
 RECHECK_INTERVAL_MS = 10
@@ -55,7 +55,7 @@ def _shorter_busy_wait() -> None:
 
 
 _shorter_busy_wait()
-vllm_lora_cpu.install()
+lora_cpu.install()
 
 
 # Run outside the group: after argv[1] seconds, SIGKILL every process whose environment holds argv[2].
@@ -93,7 +93,7 @@ def _stop_group_when_owner_exits(owner_pid: int) -> None:
 
 def watch_owner() -> threading.Thread | None:
     """Start the owner watchdog when the launcher named an owner that is our parent."""
-    from graft.rollout.vllm_launcher import OWNER_ENV
+    from graft.rollout.vllm.launcher import OWNER_ENV
 
     owner = os.environ.get(OWNER_ENV, "")
     if not owner.isdigit() or int(owner) != os.getppid():
@@ -107,7 +107,7 @@ def watch_owner() -> threading.Thread | None:
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
-    from graft.rollout.vllm_batch_route import patch_build_app
+    from graft.rollout.vllm.server.batch_route import patch_build_app
 
     watch_owner()
     patch_build_app()

@@ -1,5 +1,5 @@
 """vLLM-CPU's LoRA matmuls, grouped by adapter: installed in the servers graft launches
-(graft.rollout.vllm_entry), in every process of the server.
+(graft.rollout.vllm.server.entry), in every process of the server.
 
 vLLM's PyTorch-native punica ops (`vllm.lora.ops.torch_ops`, what vLLM-CPU runs) gather a whole
 adapter matrix per token — `weights[indices]`, a [tokens, out, in] copy — and then take one
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from graft.rollout.vllm_launcher import LORA_OPS_ENV
+from graft.rollout.vllm.launcher import LORA_OPS_ENV
 
 _PARAMETERS = {  # the measured version's signatures; another version keeps its own ops
     "bgmv_shrink": ["inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor", "scaling"],
