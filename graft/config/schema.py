@@ -160,7 +160,7 @@ class TrainConfig(ObjectiveFields):
         "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB (docs/benchmarks.md).")
     return_freed_memory: Literal["auto"] | bool = Field(
         "auto", description="Fix glibc's mmap threshold at 128 KiB so that freed activations go back to the OS "
-        "(graft/train/allocator.py). auto: on for models of at least 100M parameters. Measured on 2 CPU cores: "
+        "(graft/train/cpu_tuning.py). auto: on for models of at least 100M parameters. Measured on 2 CPU cores: "
         "at the 24-layer Qwen2.5-0.5B shape it keeps an update 5 GiB smaller (0.75 vs 5.75 GiB above the model) "
         "for ~12% more time; at 0.7M parameters it made each forward and backward 2.5x slower (fresh pages "
         "faulted in on every allocation; graft's update 0.62 s vs 0.25 s).")
