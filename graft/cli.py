@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from graft import __version__
-from graft.bench.commands import BENCHES
+from graft.bench.commands import add_bench_command
+from graft.quickstart.command import add_quickstart_command
 
 
 def _quiet_libraries() -> None:
@@ -51,12 +52,6 @@ def cmd_config(args: argparse.Namespace) -> None:
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    result = BENCHES[args.which](args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -157,14 +152,6 @@ def _serving_lines(args: argparse.Namespace, server) -> str:
     return "\n".join(lines)
 
 
-def cmd_quickstart(args: argparse.Namespace) -> None:
-    from graft.quickstart.run import run_quickstart
-
-    run_dir = args.run_dir or ("runs/quickstart" if args.task == "arithmetic" else f"runs/quickstart-{args.task}")
-    run_quickstart(Path(run_dir), seed=args.seed, steps=args.steps,
-                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, task=args.task)
-
-
 def _add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument("config", nargs="?", default=None, help="YAML config (omit for the defaults)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
@@ -187,11 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tiny_model_command(sub)
     _add_export_command(sub)
     _add_config_command(sub)
-    _add_bench_command(sub)
+    add_bench_command(sub)
     _add_train_command(sub)
     _add_eval_command(sub)
     _add_serve_command(sub)
-    _add_quickstart_command(sub)
+    add_quickstart_command(sub)
     return parser
 
 
@@ -226,59 +213,6 @@ def _add_config_command(sub) -> None:
     _add_config_arguments(p, "lora.rank=16")
     p.add_argument("--save", metavar="FILE", help="also write the resolved config to FILE")
     p.set_defaults(func=cmd_config)
-
-
-def _add_bench_command(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (measured side by side in one run)",
-                       description="merge: graft's zero-drift merge vs PEFT merge_adapter() on a ~95M-parameter "
-                                   "random bf16 model, LoRA on all linear layers; medians and base drift. "
-                                   "rollout: tokens/s of one vLLM server serving base weights, base + adapter, "
-                                   "and the merged weights reloaded; same prompts, rounds interleaved. "
-                                   "sync: publish + engine-apply seconds and bytes for adapter, merged and full "
-                                   "sync and the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model "
-                                   "(--sweep: cost growth). "
-                                   "e2e: one LoRA GRPO step, graft (on-policy, max_staleness 1, on-policy merged "
-                                   "sync) vs TRL GRPOTrainer + PEFT, same model, task, batch, LoRA and optimizer; "
-                                   "interleaved, medians, ratio TRL/graft, floors (one vLLM call + the update). "
-                                   "cores: on-policy graft steps under vLLM-CPU core settings (a core reserved "
-                                   "for vLLM's front end, or every core generating); rollout.cpu_reserved_cores "
-                                   "auto is chosen from it. "
-                                   "learning: held-out accuracy vs training seconds, graft vs TRL from the same "
-                                   "base for the same wall-clock budget, and graft minus TRL per rollout batch; "
-                                   "learning.png. "
-                                   "soak: 1000 adapter syncs against one vLLM server under concurrent requests; "
-                                   "failed requests, adapters loaded at most, server RSS growth. "
-                                   "memory: peak RSS, seconds and CPU seconds of one GRPO update at the Qwen2.5-0.5B "
-                                   "shape "
-                                   "with the real vocabulary (--layers 2: 32 sequences, the default; --layers 24: "
-                                   "8 sequences), graft vs TRL GRPOTrainer + PEFT on the same weights and token "
-                                   "ids (TRL's defaults, and TRL with graft's settings), each in a fresh process. "
-                                   "step: one whole `graft train` step (vLLM rollout of 64 x 256 tokens, update, "
-                                   "adapter sync, verification) at the Qwen2.5-0.5B shape (--layers, default 24), "
-                                   "default config; seconds per phase, peak memory. Results and how to read "
-                                   "them: docs/benchmarks.md.")
-    p.add_argument("which", choices=list(BENCHES), help="benchmark to run")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--hidden", type=int, default=None, help="model hidden size (merge 1024, rollout 256; e2e, cores: one model instead of h128 l2 and h512 l8)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (merge 8, rollout 4, e2e 2, memory 2 or 24, step 24)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs/rounds per side (median reported)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="e2e, cores: steps per run, the first 2 are warm-up (default 6); "
-                        "learning: graft's steps (default 150)")
-    p.add_argument("--seed", type=int, default=0, help="learning: seed of the base and of both runs (default 0)")
-    p.add_argument("--plot-dir", default="runs/bench", help="where plots are written (default runs/bench)")
-    p.add_argument("--models", nargs="+", choices=["tiny", "qwen2.5-0.5b-shape"], help="sync: model shapes")
-    p.add_argument("--sweep", choices=["size", "rank"],
-                   help="sync: cost growth instead, adapter vs merged with their raw-write floors, over 4 model "
-                        "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "
-                        "writes PLOT_DIR/sync-SWEEP.png")
-    p.add_argument("--cycles", type=int, default=None,
-                   help="merge: PEFT merge/unmerge cycles for the drift measurement (default 50); "
-                        "soak: adapter syncs (default 1000)")
-    p.add_argument("--concurrency", type=int, default=8, help="soak: concurrent request streams (default 8)")
-    p.add_argument("--no-trl", action="store_true", help="memory: measure graft only (no TRL virtualenv)")
-    p.set_defaults(func=cmd_bench)
 
 
 def _add_train_command(sub) -> None:
@@ -331,28 +265,6 @@ def _add_serve_command(sub) -> None:
                    help="require the API key held in environment variable NAME on /v1 requests (default: "
                         "$VLLM_API_KEY if set, else no key)")
     p.set_defaults(func=cmd_serve)
-
-
-def _add_quickstart_command(sub) -> None:
-    p = sub.add_parser("quickstart", help="the main job: LoRA GRPO on a real vLLM server, end to end",
-                       description="Build (once, cached) a small base model by short supervised training on "
-                                   "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
-                                   "and report held-out accuracy before and after. Writes RUN_DIR/quickstart.json "
-                                   "and RUN_DIR/reward.png. 2-8 minutes on 2 CPU cores, by CPU (plus 0.5-5 to build "
-                                   "the base). --task tools: multi-turn calculator episodes instead (a base that "
-                                   "watched a teacher use the tool; held-out reward of greedy episodes; ~6 "
-                                   "minutes, its ~3.5-minute warm-up included).")
-    p.add_argument("--task", choices=("arithmetic", "tools", "guessing"), default="arithmetic",
-                   help="arithmetic (default: one turn per sample, configs/quickstart.yaml), tools (multi-turn "
-                        "episodes with a calculator tool, configs/tools-quickstart.yaml) or guessing (multi-turn "
-                        "games with higher/lower replies, configs/guessing-quickstart.yaml)")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, or "
-                                                   "runs/quickstart-TASK for another task)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the task's config's)")
-    p.add_argument("--cache-dir", default=None, help="where base models are cached (default $GRAFT_CACHE or "
-                                                     "~/.cache/graft)")
-    p.set_defaults(func=cmd_quickstart)
 
 
 class Terminated(KeyboardInterrupt):

@@ -19,6 +19,23 @@ def test_every_command_explains_itself(command, capsys):
     assert len(capsys.readouterr().out.splitlines()) > 3
 
 
+
+def test_bench_help_lists_the_benches_and_each_bench_shows_its_own_flags(capsys):
+    from graft.bench.commands import BENCHES
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listing = capsys.readouterr().out
+    assert all(f"  {name} " in listing for name in BENCHES)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "merge", "--help"])
+    merge_help = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert exit_info.value.code == 0 and "graft bench merge" in merge_help and "(default 1024)" in merge_help
+    with pytest.raises(SystemExit):
+        main(["bench", "rollout", "--help"])
+    rollout_help = " ".join(capsys.readouterr().out.split())
+    assert "(default 256)" in rollout_help and "--cycles" not in rollout_help
+
 def test_tiny_model_command_is_deterministic(tmp_path, capsys):
     assert main(["tiny-model", str(tmp_path / "a"), "--arch", "llama", "--hidden", "64", "--seed", "5"]) == 0
     assert main(["tiny-model", str(tmp_path / "b"), "--arch", "llama", "--hidden", "64", "--seed", "5"]) == 0

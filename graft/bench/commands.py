@@ -1,100 +1,89 @@
-"""`graft bench WHICH`, by name: each entry runs one bench from the parsed command line, prints its
-table and returns what `--json` writes. The heavy imports happen only for the bench that runs."""
+"""`graft bench NAME`: the benches by name. Each bench module declares its own flags
+(`add_arguments(parser)`) and runs from them (`run(args)`: prints its table, returns what `--json`
+writes). A bench module is imported only when that bench is asked for: most import torch and vLLM's
+client at the top, which `graft --help` or `graft train` should not pay for."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def _bench_merge(args: argparse.Namespace) -> dict:
-    from graft.bench.merge import print_merge_report, run_merge_bench
+@dataclass(frozen=True)
+class Bench:
+    """Where a bench lives (its module has `add_arguments` and `run`) and what it measures."""
 
-    result = run_merge_bench(hidden=args.hidden or 1024, layers=args.layers or 8, rank=args.rank,
-                             repeats=args.repeats, cycles=args.cycles or 50)
-    print_merge_report(result)
+    module: str
+    about: str
+
+
+BENCHES = {
+    "merge": Bench("graft.bench.merge", "graft's zero-drift merge vs PEFT merge_adapter() on a ~95M-parameter random "
+                                        "bf16 model, LoRA on all linear layers; medians and base drift."),
+    "rollout": Bench("graft.bench.rollout", "tokens/s of one vLLM server serving base weights, base + adapter, and "
+                                            "the merged weights reloaded; same prompts, rounds interleaved."),
+    "sync": Bench("graft.bench.sync", "publish + engine-apply seconds and bytes for adapter, merged and full sync and "
+                                      "the raw-write floor, on a tiny and a Qwen2.5-0.5B-shaped model (--sweep: cost "
+                                      "growth)."),
+    "e2e": Bench("graft.bench.e2e", "one LoRA GRPO step, graft (on-policy, max_staleness 1, on-policy merged sync) vs "
+                                    "TRL GRPOTrainer + PEFT, same model, task, batch, LoRA and optimizer; interleaved, "
+                                    "medians, ratio TRL/graft, floors (one vLLM call + the update)."),
+    "cores": Bench("graft.bench.cores", "on-policy graft steps under vLLM-CPU core settings (a core reserved for "
+                                        "vLLM's front end, or every core generating); rollout.cpu_reserved_cores auto "
+                                        "is chosen from it."),
+    "learning": Bench("graft.bench.learning", "held-out accuracy vs training seconds, graft vs TRL from the same base "
+                                              "for the same wall-clock budget, and graft minus TRL per rollout batch; "
+                                              "learning.png."),
+    "soak": Bench("graft.bench.soak", "1000 adapter syncs against one vLLM server under concurrent requests; failed "
+                                      "requests, adapters loaded at most, server RSS growth."),
+    "memory": Bench("graft.bench.memory", "peak RSS, seconds and CPU seconds of one GRPO update at the Qwen2.5-0.5B "
+                                          "shape with the real vocabulary (--layers 2: 32 sequences, the default; "
+                                          "--layers 24: 8 sequences), graft vs TRL GRPOTrainer + PEFT on the same "
+                                          "weights and token ids (TRL's defaults, and TRL with graft's settings), "
+                                          "each in a fresh process."),
+    "step": Bench("graft.bench.step", "one whole `graft train` step (vLLM rollout of 64 x 256 tokens, update, adapter "
+                                      "sync, verification) at the Qwen2.5-0.5B shape (--layers, default 24), default "
+                                      "config; seconds per phase, peak memory."),
+}
+
+
+def bench_list() -> str:
+    """The benches and what each measures, for `graft bench --help`."""
+    width = max(map(len, BENCHES)) + 2
+    return "benches:\n" + "\n".join(
+        textwrap.fill(bench.about, 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+        for name, bench in BENCHES.items())
+
+
+def bench_parser(name: str) -> argparse.ArgumentParser:
+    """`graft bench NAME`'s parser: --json, then the flags the bench module declares."""
+    parser = argparse.ArgumentParser(prog=f"graft bench {name}", description=f"{BENCHES[name].about} Results and "
+                                     "how to read them: docs/benchmarks.md.")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    importlib.import_module(BENCHES[name].module).add_arguments(parser)
+    return parser
+
+
+def run_bench(name: str, argv: list[str]) -> dict:
+    """Parse `graft bench NAME`'s flags, run the bench (it prints its table) and write --json."""
+    args = bench_parser(name).parse_args(argv)
+    result = importlib.import_module(BENCHES[name].module).run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _bench_sync(args: argparse.Namespace) -> dict:
-    if args.sweep:
-        from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
-
-        result = run_sync_sweep(args.sweep, repeats=min(args.repeats, 3))
-        print_sweep_report(result)
-        result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))
-        print(f"plot: {result['plot']}")
-        return result
-    from graft.bench.sync import SHAPES, print_sync_report, run_sync_bench
-
-    result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
-    print_sync_report(result)
-    return result
-
-
-def _bench_e2e(args: argparse.Namespace) -> dict:
-    from graft.bench.e2e import MODELS, print_e2e_report, run_e2e_bench
-
-    models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
-    result = run_e2e_bench(models, repeats=min(args.repeats, 3), steps=args.steps or 6)
-    print_e2e_report(result)
-    return result
-
-
-def _bench_cores(args: argparse.Namespace) -> dict:
-    from graft.bench.cores import MODELS, print_cores_report, run_cores_bench
-
-    models = ((args.hidden, args.layers or 2),) if args.hidden else MODELS
-    result = run_cores_bench(models, steps=args.steps or 6)
-    print_cores_report(result)
-    return result
-
-
-def _bench_learning(args: argparse.Namespace) -> dict:
-    from graft.bench.learning import print_learning_report, run_learning_bench
-
-    result = run_learning_bench(steps=args.steps or 150, seed=args.seed, out_dir=Path(args.plot_dir))
-    print_learning_report(result)
-    return result
-
-
-def _bench_rollout(args: argparse.Namespace) -> dict:
-    from graft.bench.rollout import print_rollout_report, run_rollout_bench
-
-    result = run_rollout_bench(hidden=args.hidden or 256, layers=args.layers or 4, rank=args.rank,
-                               repeats=args.repeats)
-    print_rollout_report(result)
-    return result
-
-
-def _bench_soak(args: argparse.Namespace) -> dict:
-    from graft.bench.soak import print_soak_report, run_soak_bench
-
-    result = run_soak_bench(cycles=args.cycles or 1000, concurrency=args.concurrency)
-    print_soak_report(result)
-    return result
-
-
-def _bench_memory(args: argparse.Namespace) -> dict:
-    from graft.bench.memory import print_memory_report, run_memory_bench
-
-    result = run_memory_bench(layers=(args.layers or 2,), with_trl=not args.no_trl)
-    print_memory_report(result)
-    return result
-
-
-def _bench_step(args: argparse.Namespace) -> dict:
-    from graft.bench.step import print_step_report, real_shape_model, run_step_bench
-    from graft.quickstart.base import default_cache_dir
-
-    layers = args.layers or 24
-    model_dir = real_shape_model(default_cache_dir() / f"qwen2.5-0.5b-shape-{layers}-layers", layers)
-    result = run_step_bench(model_dir)
-    print_step_report(result)
-    return result
-
-
-# `graft bench WHICH`: each runs, prints its table and returns what --json writes.
-BENCHES = {"merge": _bench_merge, "rollout": _bench_rollout, "sync": _bench_sync, "e2e": _bench_e2e,
-           "cores": _bench_cores, "learning": _bench_learning, "soak": _bench_soak, "memory": _bench_memory,
-           "step": _bench_step}
+def add_bench_command(sub) -> None:
+    """`graft bench BENCH [FLAGS]` on the `graft` parser: the bench's own parser reads FLAGS once
+    BENCH is known, so only that bench's module is imported."""
+    p = sub.add_parser("bench", help="benchmarks (measured side by side in one run)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=bench_list(),
+                       description="Run one bench: `graft bench BENCH [FLAGS]`; `graft bench BENCH --help` shows "
+                                   "its flags. Results and how to read them: docs/benchmarks.md.")
+    p.add_argument("bench", choices=list(BENCHES), metavar="BENCH", help="the bench to run (listed below)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="FLAGS", help="the bench's own flags")
+    p.set_defaults(func=lambda args: run_bench(args.bench, args.bench_args))

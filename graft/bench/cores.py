@@ -10,6 +10,7 @@ is chosen from (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import tempfile
@@ -19,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from graft.bench import e2e
 from graft.bench.e2e import LORA, SPLIT, Workload, _load, graft_steps
 from graft.models.tiny import build_tiny_model
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
@@ -74,3 +76,15 @@ def print_cores_report(result: dict) -> None:
         table.add_row(row["model"], row["setting"], f"{row['seconds_per_step']:.3f}",
                       *(f"{row[key]:.3f}" for key in SPLIT))
     Console(width=max(Console().width, 120)).print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench cores`'s flags: those of `graft bench e2e`, whose graft side it runs, less --repeats."""
+    e2e.add_arguments(parser, repeats=False)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench cores`: measure, print the table, return what --json writes."""
+    result = run_cores_bench(e2e.bench_models(args), steps=args.steps)
+    print_cores_report(result)
+    return result

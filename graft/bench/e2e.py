@@ -26,6 +26,7 @@ the medians are taken over the remaining steps of all repetitions.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import tempfile
@@ -296,3 +297,27 @@ def print_e2e_report(result: dict) -> None:
                           f"{row[f'one_call{suffix}_seconds']:.3f}", f"{row['graft']['train_seconds']:.3f}",
                           "", "", "", "", "", "")
     Console(width=max(Console().width, 140)).print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser, repeats: bool = True) -> None:
+    """`graft bench e2e`'s flags (`graft bench cores` shares them, less --repeats): one model instead
+    of the two, the steps per run and how many interleaved repetitions."""
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="one model of this hidden size instead of h128 l2 and h512 l8")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the --hidden model (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run, the first 2 are warm-up (default %(default)s)")
+    if repeats:
+        parser.add_argument("--repeats", type=int, default=3,
+                            help="interleaved repetitions per side, medians reported (default and most %(default)s)")
+
+
+def bench_models(args: argparse.Namespace) -> tuple[tuple[int, int], ...]:
+    """The (hidden, layers) models the command line asks for."""
+    return ((args.hidden, args.layers),) if args.hidden else MODELS
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench e2e`: measure, print the table, return what --json writes."""
+    result = run_e2e_bench(bench_models(args), repeats=min(args.repeats, 3), steps=args.steps)
+    print_e2e_report(result)
+    return result

@@ -14,6 +14,7 @@ to the same 1000 held-out prompts (`EVAL_EXAMPLES`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 from pathlib import Path
@@ -172,3 +173,17 @@ def print_learning_report(result: dict) -> None:
         Console().print(f"graft minus TRL at the same rollout-batch counts ({len(gaps)} evaluations): mean "
                         f"{100 * sum(gaps) / len(gaps):+.1f} points, {100 * min(gaps):+.1f} to {100 * max(gaps):+.1f}")
     Console().print(f"plot: {result['plot']}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench learning`'s flags: graft's steps (TRL gets the same seconds), the seed, the plot."""
+    parser.add_argument("--steps", type=int, default=150, help="graft's steps (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the base and of both runs (default %(default)s)")
+    parser.add_argument("--plot-dir", default="runs/bench", help="where learning.png goes (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench learning`: measure, print the table, return what --json writes."""
+    result = run_learning_bench(steps=args.steps, seed=args.seed, out_dir=Path(args.plot_dir))
+    print_learning_report(result)
+    return result

@@ -170,6 +170,20 @@ def print_memory_report(result: dict) -> None:
     Console().print(table)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench memory`'s flags: the layers of the Qwen2.5-0.5B shape, and whether TRL runs too."""
+    parser.add_argument("--layers", type=int, default=2,
+                        help="decoder layers: 2 (32 sequences, the default) or 24 (8 sequences)")
+    parser.add_argument("--no-trl", action="store_true", help="measure graft only (no TRL virtualenv)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench memory`: measure, print the table, return what --json writes."""
+    result = run_memory_bench(layers=(args.layers,), with_trl=not args.no_trl)
+    print_memory_report(result)
+    return result
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True, help="worker_spec(...) as JSON")

@@ -8,6 +8,7 @@ cost the merged-sync path must not pay. Timings are medians of interleaved runs 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import time
@@ -107,3 +108,21 @@ def print_merge_report(result: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"ratio PEFT/graft: {result['ratio']:.2f}x (medians of {result['repeats']} interleaved runs; > 1 means graft is faster)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench merge`'s flags: the random model's shape, the LoRA rank, how often to time."""
+    parser.add_argument("--hidden", type=int, default=1024, help="model hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default %(default)s)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per side, median reported (default %(default)s)")
+    parser.add_argument("--cycles", type=int, default=50,
+                        help="PEFT merge/unmerge cycles for the drift measurement (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench merge`: measure, print the table, return what --json writes."""
+    result = run_merge_bench(hidden=args.hidden, layers=args.layers, rank=args.rank, repeats=args.repeats,
+                             cycles=args.cycles)
+    print_merge_report(result)
+    return result

@@ -10,6 +10,7 @@ round (base, adapter, merged) so machine noise hits all of them alike; medians o
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import statistics
@@ -146,3 +147,18 @@ def print_rollout_report(result: dict) -> None:
     console.print(f"adapter serving runs at {result['adapter_vs_base']:.2f}x the base rate; merged weights at "
                   f"{result['merged_vs_adapter']:.2f}x the adapter rate; graft's LoRA ops at "
                   f"{result['grouped_vs_vllm_ops']:.2f}x vLLM's (medians of {result['repeats']} rounds)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench rollout`'s flags: the served model's shape, the LoRA rank, how many rounds."""
+    parser.add_argument("--hidden", type=int, default=256, help="model hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default %(default)s)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds per side, median reported (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench rollout`: measure, print the table, return what --json writes."""
+    result = run_rollout_bench(hidden=args.hidden, layers=args.layers, rank=args.rank, repeats=args.repeats)
+    print_rollout_report(result)
+    return result

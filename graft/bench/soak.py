@@ -13,6 +13,7 @@ means no leak per cycle.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 import time
@@ -122,3 +123,16 @@ def print_soak_report(result: dict) -> None:
     Console().print(table)
     if result["first_error"]:
         Console().print(f"first failed request: {result['first_error']}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench soak`'s flags: how many syncs, under how many request streams."""
+    parser.add_argument("--cycles", type=int, default=1000, help="adapter syncs (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent request streams (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench soak`: measure, print the table, return what --json writes."""
+    result = run_soak_bench(cycles=args.cycles, concurrency=args.concurrency)
+    print_soak_report(result)
+    return result

@@ -13,6 +13,7 @@ phase's seconds from RUN_DIR/metrics.jsonl.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -130,3 +131,18 @@ def print_step_report(result: dict) -> None:
     gib = {k: result[f"{k}_peak_bytes"] / 2**30 for k in ("trainer", "engines", "total")}
     Console().print(f"peak resident memory: trainer {gib['trainer']:.2f} GiB, vLLM server {gib['engines']:.2f} GiB, "
                     f"together {gib['total']:.2f} GiB; delivery gap {row['sync_logprob_abs_diff_max']}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench step`'s flag: the layers of the Qwen2.5-0.5B shape."""
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench step`: build (once, cached) the model, measure, print the table, return what --json writes."""
+    from graft.quickstart.base import default_cache_dir
+
+    model_dir = real_shape_model(default_cache_dir() / f"qwen2.5-0.5b-shape-{args.layers}-layers", args.layers)
+    result = run_step_bench(model_dir)
+    print_step_report(result)
+    return result

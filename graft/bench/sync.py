@@ -12,6 +12,7 @@ Modes run interleaved within each round; medians over rounds.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -165,3 +166,31 @@ def print_sync_report(result: dict) -> None:
             table.add_row(model, mode, f"{row['seconds']:.3f}", f"{row['bytes'] / 2**20:.1f}",
                           f"{row['seconds'] / modes['adapter']['seconds']:.1f}")
     Console().print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`graft bench sync`'s flags: which model shapes, or a sweep of cost growth instead."""
+    parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="model shapes (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds per mode, median reported (default %(default)s; at most 5, with --sweep at most 3)")
+    parser.add_argument("--sweep", choices=["size", "rank"],
+                        help="cost growth instead, adapter vs merged with their raw-write floors, over 4 model "
+                             "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "
+                             "writes PLOT_DIR/sync-SWEEP.png")
+    parser.add_argument("--plot-dir", default="runs/bench", help="where the sweep's plot goes (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench sync`: measure, print the table, return what --json writes."""
+    if args.sweep:
+        from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
+
+        result = run_sync_sweep(args.sweep, repeats=min(args.repeats, 3))
+        print_sweep_report(result)
+        result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))
+        print(f"plot: {result['plot']}")
+        return result
+    result = run_sync_bench(tuple(args.models), repeats=min(args.repeats, 5))
+    print_sync_report(result)
+    return result
