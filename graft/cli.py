@@ -282,7 +282,7 @@ def _terminate_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from graft.rollout.engine import EngineError
-    from graft.rollout.vllm.launcher import VllmStartupError
+    from graft.rollout.launcher import ServerStartupError
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graft: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, EngineError, VllmStartupError) as e:
+    except (ValueError, FileNotFoundError, EngineError, ServerStartupError) as e:
         print(f"graft: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only or missing path: the system's words and the file

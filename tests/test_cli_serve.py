@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 
 from graft.cli import _serving_lines, main
-from graft.rollout.vllm.launcher import VllmServer, VllmStartupError, free_port
+from graft.rollout.launcher import ServerStartupError, free_port
+from graft.rollout.vllm.launcher import VllmServer
 from tests.helpers import live_group_members
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -40,7 +41,7 @@ def _post_status(url: str) -> int:
 def no_start(monkeypatch):
     """`graft serve` runs up to the server start, which fails at once (no vLLM is launched)."""
     def refuse(self):
-        raise VllmStartupError("stand-in: not started")
+        raise ServerStartupError("stand-in: not started")
     monkeypatch.setattr(VllmServer, "start", refuse)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
 

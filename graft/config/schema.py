@@ -109,6 +109,13 @@ class SyncConfig(Section):
         the one being pushed and one of slack (max_staleness + 2). 0 means keep all, never unload."""
         return max_staleness + 2 if self.keep_versions == "auto" else self.keep_versions
 
+    @property
+    def reloads_weights(self) -> bool:
+        """Whether the mode replaces the engine's base weights (merged) rather than loading adapters:
+        on vLLM that needs the dev endpoints (/pause, /collective_rpc, ...), which the rollout side
+        turns on or checks for. The modes themselves live in graft.sync.modes."""
+        return self.mode == "merged"
+
 
 class TrainConfig(ObjectiveFields):
     steps: int = Field(20, ge=1, description="Optimizer steps (one rollout batch each).")

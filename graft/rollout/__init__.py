@@ -1,5 +1,6 @@
 """Rollout engines: launching inference servers and generating completions from them."""
 
-from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, VllmStartupError
+from graft.rollout.launcher import ServerStartupError
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
-__all__ = ["VllmServer", "VllmServerConfig", "VllmStartupError"]
+__all__ = ["ServerStartupError", "VllmServer", "VllmServerConfig"]

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
 
-from graft.config import ConfigError, GraftConfig, RolloutConfig
+from graft.config import GraftConfig
 from graft.models.loading import checkpoint_parameters, require_model_dir
+from graft.rollout.api_key import resolve_api_key
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, RolloutEngine
+from graft.rollout.launcher import ServerProcess
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.sglang.client import SglangClient
@@ -30,31 +31,6 @@ from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 # Backends reachable by URL, by `rollout.engine` name; each takes (url, *, request_timeout_s,
 # control_timeout_s, api_key).
 HTTP_CLIENTS: dict[str, Callable[..., RolloutEngine]] = {"vllm": VllmClient, "sglang": SglangClient}
-
-
-def resolve_api_key(rollout: RolloutConfig) -> str | None:
-    """The servers' API key: `rollout.api_key`, else the environment variable `rollout.api_key_env`
-    names (unset or empty: no key).
-
-    Raises:
-        ConfigError: `rollout.api_key_env` was set explicitly to a variable other than the default
-            that is not set, which would otherwise surface later as the server's "Unauthorized". (A
-            saved config, RUN_DIR/config.yaml, spells out the default: reloaded, it means no key.)
-    """
-    if rollout.api_key is not None:
-        return rollout.api_key.get_secret_value() or None
-    if rollout.api_key_env is None:
-        return None
-    key = os.environ.get(rollout.api_key_env)
-    default = type(rollout).model_fields["api_key_env"].default
-    if key is None and "api_key_env" in rollout.model_fields_set and rollout.api_key_env != default:
-        raise ConfigError(f"rollout.api_key_env names the environment variable {rollout.api_key_env}, which is "
-                          "not set", keys=("rollout.api_key_env",))
-    return key or None
-
-
-# The sync modes that reload base weights through vLLM's dev endpoints (/pause, /collective_rpc, ...).
-WEIGHT_RELOAD_SYNC_MODES = frozenset({"merged"})
 # How long a server that stopped answering gets to finish exiting before we say whether it died.
 _EXIT_GRACE_S = 5.0
 
@@ -77,7 +53,7 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
         tensor_parallel_size=rollout.tensor_parallel_size,
-        dev_endpoints=syncs and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES, log_dir=Path(run_dir) / "logs")
+        dev_endpoints=syncs and config.sync.reloads_weights, log_dir=Path(run_dir) / "logs")
 
 
 async def require_weight_reload(urls: list[str]) -> None:
@@ -104,7 +80,7 @@ async def require_weight_reload(urls: list[str]) -> None:
                     address=url.rstrip("/"), status=404)
 
 
-def launched_server(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> VllmServer:
+def launched_server(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> ServerProcess:
     """The server graft launches for a run of `rollout.engine` (not started yet).
 
     SGLang gets the same model directory, dtype, adapter limits and context length as vLLM would;
@@ -147,7 +123,7 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
             await asyncio.to_thread(server.start)
             stack.callback(server.stop)
             urls = [server.url]
-        elif syncs and rollout.engine == "vllm" and config.sync.mode in WEIGHT_RELOAD_SYNC_MODES:
+        elif syncs and rollout.engine == "vllm" and config.sync.reloads_weights:
             await require_weight_reload(urls)
         clients = [HTTP_CLIENTS[rollout.engine](url, request_timeout_s=rollout.request_timeout_s,
                                                 control_timeout_s=rollout.control_timeout_s, api_key=api_key)

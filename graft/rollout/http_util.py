@@ -1,15 +1,24 @@
-"""Small pieces shared by the HTTP engine clients (vLLM, SGLang) and the pool."""
+"""Small pieces shared by the HTTP engine clients (vLLM, SGLang) and the pool: the one sender with
+its retry policy, the one mapping from a refused call to graft's typed errors, and task helpers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
 
-from graft.rollout.engine import BadRequestError, EngineError, EngineHealth, EngineUnavailableError
+from graft.rollout.engine import (
+    AdapterAlreadyLoadedError,
+    BadRequestError,
+    EngineError,
+    EngineHealth,
+    EngineUnavailableError,
+    UnknownAdapterError,
+)
 
 T = TypeVar("T")
 
@@ -87,29 +96,6 @@ async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str,
     raise AssertionError("unreachable")
 
 
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """The header that vLLM (`--api-key` / VLLM_API_KEY) and SGLang (`--api-key`) check; none
-    without a key. vLLM checks it only on /v1/* routes: /health and the dev endpoints (/pause,
-    /collective_rpc, /reset_prefix_cache) stay open, which is why servers bind to loopback."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def raise_if_unauthorized(response: httpx.Response, *, address: str, sent_key: bool) -> None:
-    """One clear error for 401/403 instead of the server's bare "Unauthorized" (never the key).
-
-    Raises:
-        BadRequestError: The server wants an API key and got none, or not the one it expects.
-    """
-    if response.status_code not in (401, 403):
-        return
-    what = ("rejected the API key graft sent" if sent_key else
-            "requires an API key and graft sent none")
-    raise BadRequestError(f"{response.request.method} {response.request.url.path} -> HTTP {response.status_code}: "
-                          f"the server {what}: put the server's key in the environment variable named by "
-                          "rollout.api_key_env (default VLLM_API_KEY) or in rollout.api_key",
-                          address=address, status=response.status_code)
-
-
 def error_class_for_status(status: int) -> type[EngineError]:
     """The typed error of an HTTP error status when the server's words name no adapter problem:
     the server refused this request (4xx) or cannot serve now (5xx; 429 too: it is transient)."""
@@ -118,6 +104,48 @@ def error_class_for_status(status: int) -> type[EngineError]:
     if 400 <= status < 500:
         return BadRequestError
     return EngineError
+
+
+@dataclass(frozen=True)
+class AdapterWords:
+    """An adapter problem an engine tells only in its words: any of `phrases` in the message (at
+    `status`, or any status when None; compared in lower case when `fold_case`) means `error`."""
+
+    error: type[EngineError]
+    phrases: tuple[str, ...]
+    status: int | None = None
+    fold_case: bool = False
+
+    def match(self, status: int, words: str) -> bool:
+        text = words.lower() if self.fold_case else words
+        return (self.status is None or self.status == status) and any(p in text for p in self.phrases)
+
+
+# Each engine's words for adapter problems, by `rollout.engine` name; the first match wins.
+ADAPTER_WORDS: dict[str, tuple[AdapterWords, ...]] = {
+    # vLLM: "The model `x` does not exist." / "... cannot be found" (404), "... has already been loaded" (400). Its
+    # 404 "No adapter found for <path>" (a bad load path) matches neither: a BadRequestError by status.
+    "vllm": (AdapterWords(UnknownAdapterError, ("does not exist", "cannot be found"), status=404),
+             AdapterWords(AdapterAlreadyLoadedError, ("already been loaded",), status=400)),
+    # SGLang (lora_registry.py, tokenizer_communicator_mixin.py): "... because it is already loaded", "LoRA with
+    # name X does not exist", at whatever status the route answers.
+    "sglang": (AdapterWords(AdapterAlreadyLoadedError, ("already loaded", "already exists"), fold_case=True),
+               AdapterWords(UnknownAdapterError, ("does not exist", "never been loaded", "are not loaded"),
+                            fold_case=True)),
+}
+
+
+def error_for(engine: str, status: int, words: str, *, address: str, route: str | None = None) -> EngineError:
+    """The typed error for a call `engine` refused with HTTP `status` and the server's `words`: an
+    adapter problem when the words say so (`ADAPTER_WORDS`), else by status.
+
+    `route`: the call, put before the words as "<route> -> HTTP <status>: " (SGLang's messages do
+    not say which call they answer; vLLM's are kept as they are).
+    """
+    error = next((rule.error for rule in ADAPTER_WORDS[engine] if rule.match(status, words)), None)
+    cls = error or error_class_for_status(status)
+    message = words if route is None else f"{route} -> HTTP {status}: {words or '(empty body)'}"
+    return cls(message, address=address, status=status)
 
 
 async def answer_while_alive(call: Awaitable[T], health: Callable[[], Awaitable[EngineHealth]], *, every_s: float,

@@ -7,10 +7,10 @@ import pytest
 
 from graft.lora.adapter_io import save_adapter
 from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.launcher import free_port
 from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import free_port
 from tests.helpers import trained_like_peft_model
 
 LOGPROB_ATOL = 1e-3

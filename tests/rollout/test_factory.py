@@ -21,12 +21,14 @@ from graft.config.rollout import AUTO_ALL_CORES_PARAMETERS
 from graft.lora.adapter_io import save_adapter
 from graft.models.loading import checkpoint_parameters, load_model
 from graft.rollout import factory
+from graft.rollout.api_key import resolve_api_key
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
-from graft.rollout.factory import launch_config, open_engine, require_weight_reload, resolve_api_key
+from graft.rollout.factory import launch_config, open_engine, require_weight_reload
+from graft.rollout.launcher import free_port
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import VllmServer, free_port
+from graft.rollout.vllm.launcher import VllmServer
 from tests.helpers import hf_cache_with, trained_like_peft_model
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

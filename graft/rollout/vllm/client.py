@@ -13,7 +13,7 @@ Log-probs: vLLM reports the sampled token's log-prob under its *raw* distributio
 (`logprobs_mode="raw_logprobs"`, before temperature and top-p), which is the policy's log-prob
 when temperature == top_p == 1.
 
-Retry policy (`graft.rollout.http_util.send`, shared with the SGLang client): only a failure to
+Retry policy and error mapping (`graft.rollout.http_util`, shared with the SGLang client): only a failure to
 connect is retried, `connect_retries` times with exponential backoff; a timeout, a connection lost
 after sending and every HTTP error status are raised at once.
 
@@ -35,36 +35,10 @@ import os
 
 import httpx
 
-from graft.rollout.engine import (
-    AdapterAlreadyLoadedError,
-    BadRequestError,
-    Completion,
-    EngineError,
-    EngineHealth,
-    GenerateRequest,
-    UnknownAdapterError,
-)
-from graft.rollout.http_util import (
-    answer_while_alive,
-    auth_headers,
-    error_class_for_status,
-    gather_cancel_on_error,
-    raise_if_unauthorized,
-    send,
-    server_message,
-)
+from graft.rollout.api_key import auth_headers, raise_if_unauthorized
+from graft.rollout.engine import BadRequestError, Completion, EngineError, EngineHealth, GenerateRequest
+from graft.rollout.http_util import answer_while_alive, error_for, gather_cancel_on_error, send, server_message
 from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
-
-
-def error_for(status: int, message: str, address: str) -> EngineError:
-    """The typed error for an HTTP error status and the server's message."""
-    if status == 404 and ("does not exist" in message or "cannot be found" in message):
-        cls = UnknownAdapterError
-    elif status == 400 and "already been loaded" in message:
-        cls = AdapterAlreadyLoadedError
-    else:  # includes 404 "No adapter found for <path>" (a bad load path): BadRequestError
-        cls = error_class_for_status(status)
-    return cls(message, address=address, status=status)
 
 
 def completion_payload(request: GenerateRequest, model: str) -> dict:
@@ -175,7 +149,7 @@ class VllmClient:
                               backoff_s=self._retry_backoff_s, **kwargs)
         raise_if_unauthorized(response, address=self.address, sent_key=self._sends_key)
         if response.status_code >= 400:
-            raise error_for(response.status_code, server_message(response.text), self.address)
+            raise error_for("vllm", response.status_code, server_message(response.text), address=self.address)
         return response
 
     async def base_model(self) -> str:

@@ -14,7 +14,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from graft.rollout.sglang import client as sc
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
     BadRequestError,
@@ -26,7 +25,8 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import server_message
+from graft.rollout.http_util import error_for, server_message
+from graft.rollout.sglang import client as sc
 from graft.rollout.sglang.client import SglangClient
 from tests.rollout.sglang import shapes
 
@@ -105,7 +105,7 @@ def test_error_shapes_map_to_typed_errors_with_sglang_words_and_address(shape, e
     status, body = shape
     text = body if isinstance(body, str) else json.dumps(body)
     words = server_message(text)
-    err = sc.error_for(status, words, address=ADDRESS, route="POST /x")
+    err = error_for("sglang", status, words, address=ADDRESS, route="POST /x")
     assert type(err) is expected
     assert err.address == ADDRESS and err.status == status
     assert ADDRESS in str(err) and words.splitlines()[0] in str(err)

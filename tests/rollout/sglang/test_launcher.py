@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from graft.rollout.launcher import OWNER_ENV, free_port
 from graft.rollout.sglang.launcher import (
     CPU_FIXES_DIR,
     KERNEL_STUB_MARKER,
@@ -20,7 +21,6 @@ from graft.rollout.sglang.launcher import (
     sglang_missing,
     sglang_python,
 )
-from graft.rollout.vllm.launcher import OWNER_ENV, free_port
 from tests.helpers import live_group_members
 
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from graft.rollout.sglang import client as sc
 from graft.rollout.engine import AdapterAlreadyLoadedError, BadRequestError, EngineError, UnknownAdapterError
-from graft.rollout.http_util import server_message
+from graft.rollout.http_util import error_for, server_message
+from graft.rollout.sglang import client as sc
 from graft.rollout.sglang.client import SglangClient
 from tests.rollout.sglang import shapes
 from tests.rollout.sglang.test_client import ADDRESS, FakeSglang
@@ -50,7 +50,7 @@ def test_recorded_generate_answers_parse_to_the_served_tokens_and_logprobs():
 ])
 def test_recorded_errors_are_typed_with_sglangs_words(recorded, expected, words):
     status, body = recorded
-    err = sc.error_for(status, server_message(json.dumps(body)), address=ADDRESS, route="POST /x")
+    err = error_for("sglang", status, server_message(json.dumps(body)), address=ADDRESS, route="POST /x")
     assert type(err) is expected and err.status == status and words in str(err)
 
 

@@ -29,14 +29,9 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import server_message
-from graft.rollout.vllm.client import (
-    VllmClient,
-    completion_payload,
-    error_for,
-    parse_completions,
-)
-from graft.rollout.vllm.launcher import free_port
+from graft.rollout.http_util import error_for, server_message
+from graft.rollout.launcher import free_port
+from graft.rollout.vllm.client import VllmClient, completion_payload, parse_completions
 from tests.helpers import hf_greedy, trained_like_peft_model
 
 MAX_NEW_TOKENS = 16
@@ -68,7 +63,7 @@ NOT_LOADED = '{"error": {"message": "The model `x-v1` does not exist.", "type": 
     (503, "", EngineUnavailableError),
 ])
 def test_error_statuses_map_to_typed_errors(status, body, expected):
-    error = error_for(status, server_message(body), "http://h:1")
+    error = error_for("vllm", status, server_message(body), address="http://h:1")
     assert type(error) is expected and error.status == status and error.address == "http://h:1"
 
 

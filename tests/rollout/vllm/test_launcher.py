@@ -32,8 +32,9 @@ from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.launcher import ServerStartupError
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, VllmStartupError, exposure_warning
+from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, exposure_warning
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
@@ -128,7 +129,7 @@ def test_broken_model_config_fails_startup_with_log_tail_and_no_process(base_dir
     (broken / "config.json").unlink()
     (broken / "config.json").write_text("{not json")
     server = VllmServer(VllmServerConfig(model=str(broken), log_dir=tmp_path))
-    with pytest.raises(VllmStartupError, match="exited with code") as error:
+    with pytest.raises(ServerStartupError, match="exited with code") as error:
         server.start()
     assert "config.json" in str(error.value) and "not a valid JSON file" in str(error.value)  # from the log
     assert live_group_members(server.pid) == []
@@ -225,7 +226,7 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(stand_in):
 
 def test_startup_timeout_raises_with_log_tail_and_stops_the_group(stand_in):
     server = VllmServer(stand_in(healthy=False, startup_timeout_s=2))
-    with pytest.raises(VllmStartupError, match=r"did not answer /health in 2 s(.|\n)*stand-in: engine core forked"):
+    with pytest.raises(ServerStartupError, match=r"did not answer /health in 2 s(.|\n)*stand-in: engine core forked"):
         server.start()
     assert live_group_members(server.pid) == []
 

@@ -93,7 +93,7 @@ def _stop_group_when_owner_exits(owner_pid: int) -> None:
 
 def watch_owner() -> threading.Thread | None:
     """Start the owner watchdog when the launcher named an owner that is our parent."""
-    from graft.rollout.vllm.launcher import OWNER_ENV
+    from graft.rollout.launcher import OWNER_ENV
 
     owner = os.environ.get(OWNER_ENV, "")
     if not owner.isdigit() or int(owner) != os.getppid():
