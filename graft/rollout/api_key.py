@@ -13,11 +13,13 @@ vLLM checks the key only on `/v1/*` routes: `/health` and the dev endpoints (`/p
 from __future__ import annotations
 
 import os
-
-import httpx
+from typing import TYPE_CHECKING
 
 from graft.config import ConfigError, RolloutConfig
 from graft.rollout.engine import BadRequestError
+
+if TYPE_CHECKING:  # the launchers import this module; httpx is the clients' dependency
+    import httpx
 
 # The variable vLLM itself reads the key from (its `--api-key` would show the key in `ps`).
 VLLM_KEY_ENV = "VLLM_API_KEY"

@@ -26,7 +26,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"n and max_new_tokens must be >= 1 (got n={self.n}, max_new_tokens={self.max_new_tokens})")
+            raise ValueError(f"n and max_new_tokens must be >= 1 "
+                             f"(got n={self.n}, max_new_tokens={self.max_new_tokens})")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature must be >= 0 and top_p in (0, 1] (got {self.temperature}, {self.top_p})")
 

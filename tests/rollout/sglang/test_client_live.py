@@ -144,7 +144,7 @@ def test_merged_reload_serves_the_merged_policy_and_flushes_the_prefix_cache(sgl
         async with SglangClient(sglang_server.url) as client:
             base_tokens = await greedy(client)  # also fills SGLang's prefix cache with these prompts
             try:
-                result = await MergedSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
+                result = await MergedSync(client, publisher, dtype=torch.float32).sync(model, 1, 1)
                 assert result.mode == "merged" and result.engine_adapters_loaded == 0
                 merged_dir = next(v.path for v in publisher.versions("merged") if v.version == 1)
                 served = await greedy(client)  # a stale cached prefix would give the base's tokens back

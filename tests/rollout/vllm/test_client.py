@@ -55,7 +55,8 @@ NOT_LOADED = '{"error": {"message": "The model `x-v1` does not exist.", "type": 
 @pytest.mark.parametrize("status, body, expected", [
     (404, NOT_LOADED, UnknownAdapterError),
     (404, '{"error": {"message": "The lora adapter \'x\' cannot be found.", "code": 404}}', UnknownAdapterError),
-    (400, '{"error": {"message": "The lora adapter \'x\' has already been loaded. If ..."}}', AdapterAlreadyLoadedError),
+    (400, '{"error": {"message": "The lora adapter \'x\' has already been loaded. If ..."}}',
+     AdapterAlreadyLoadedError),
     (404, '{"error": {"message": "No adapter found for /tmp/nowhere"}}', BadRequestError),
     (400, '{"error": {"message": "This model\'s maximum context length is 512 tokens."}}', BadRequestError),
     (422, '{"detail": [{"loc": ["body", "n"], "msg": "bad"}]}', BadRequestError),

@@ -92,7 +92,8 @@ def _assert_same_greedy(got, want) -> None:
 def _reload_weights(server: VllmServer, weights_dir) -> None:
     """The base-weight reload sequence of shared/notes/vllm-cpu.md (reload does not clear the prefix cache)."""
     _ok(server.url + "/pause?mode=wait", method="POST")
-    body = _ok(server.url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+    body = _ok(server.url + "/collective_rpc",
+               {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
     assert json.loads(body) == {"results": [None]}
     assert json.loads(_ok(server.url + "/reset_prefix_cache", method="POST")) == {"success": True}
     _ok(server.url + "/resume", method="POST")
