@@ -104,8 +104,8 @@ class AdapterSync:
         self._inflight = inflight
         self._log = logger or logging.getLogger(__name__)
         self._loaded: list[int] = []  # loaded and not (successfully) unloaded, oldest first
-        self._current: int | None = None
-        self._last_version: int | None = None
+        self._current: int | None = None  # the version requests use now
+        self._stale_unloaded = False  # what an earlier run left loaded was unloaded (first sync)
         self._unloading: dict[int, asyncio.Task] = {}  # retired versions waiting for their requests
         self._lock = asyncio.Lock()  # sync and close run one at a time
         self.unload_failures = 0  # total; each SyncResult carries those since the previous one
@@ -143,20 +143,19 @@ class AdapterSync:
         May wait for running requests when all `max_loras` slots hold versions still in use.
 
         Raises:
-            ValueError: `version` is not above the last synced one.
+            PublishError: `version` is not above the last published one (a ValueError; nothing is
+                loaded or unloaded).
             EngineError: the engine could not load the new version (`current` is unchanged).
         """
         async with self._lock:
-            if self._last_version is not None and version <= self._last_version:
-                raise ValueError(f"version {version} is not above the last synced version {self._last_version}")
-            if self._last_version is None:
+            if not self._stale_unloaded:
                 await self._unload_stale()
+                self._stale_unloaded = True
             start = time.perf_counter()
             tensors, config = policy_source(policy).adapter()
             published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
                                                 lambda tmp: write_adapter_files(tensors, config, tmp),
                                                 protect=set(self._loaded))
-            self._last_version = version
             published_at = time.perf_counter()
 
             tried: set[int] = set()  # retired this sync: a failed unload is retried next sync, not twice now
