@@ -37,6 +37,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+
+def require_empty_dir(out_dir: str | os.PathLike) -> Path:
+    """`out_dir` as a Path, checked to be new or empty: a builder writes into it and must not mix its
+    files with another's.
+
+    Raises:
+        ValueError: `out_dir` exists and is not empty.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} already exists and is not empty; refusing to overwrite it")
+    return out_dir
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `target` to fill; on success fsync it and rename it into place.

@@ -8,7 +8,9 @@ fraction answered right. Used by the trainer (before, during and after a run) an
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from graft.config import GraftConfig
@@ -18,7 +20,8 @@ from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, Rol
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.tasks.envs import resolve_env
-from graft.tasks.examples import Example, load_task_data, render_prompt_ids
+from graft.tasks.examples import Example, render_prompt_ids
+from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
 from graft.tasks.scoring import RewardTerm, Scorer
@@ -54,28 +57,31 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
     start = time.perf_counter()
-    async with open_engine(config, run_dir, syncs=False) as engine:  # eval reloads no weights
-        adapter = None
-        if adapter_dir is not None:
-            adapter = f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}"
-            await _load_replacing(engine, adapter, str(Path(adapter_dir).resolve()))
-        try:
-            if env is not None:  # multi-turn: the mean reward of greedy episodes
-                accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
-                                                   config.rollout.max_new_tokens, EpisodeLimits.of(config))
-            else:
-                accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
-        finally:
-            if adapter is not None:
-                await engine.unload_adapter(adapter)
+    path = str(Path(adapter_dir).resolve()) if adapter_dir is not None else None
+    async with (open_engine(config, run_dir, syncs=False) as engine,  # eval reloads no weights
+                loaded_adapter(engine, f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}", path) as adapter):
+        if env is not None:  # multi-turn: the mean reward of greedy episodes
+            accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
+                                               config.rollout.max_new_tokens, EpisodeLimits.of(config))
+        else:
+            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
     return {"accuracy": accuracy, "examples": len(examples), "adapter": str(adapter_dir) if adapter_dir else None,
             "model": config.model.path, "seconds": time.perf_counter() - start}
 
 
-async def _load_replacing(engine: RolloutEngine, name: str, path: str) -> None:
-    """Load `path` as `name`; a `name` left loaded by a killed `graft eval` is unloaded first."""
+@contextlib.asynccontextmanager
+async def loaded_adapter(engine: RolloutEngine, name: str, path: str | None) -> AsyncIterator[str | None]:
+    """The adapter at `path` loaded as `name` for the block, unloaded after; the base model (None)
+    when `path` is None. A `name` left loaded by a killed `graft eval` is unloaded first."""
+    if path is None:
+        yield None
+        return
     try:
         await engine.load_adapter(name, path)
     except AdapterAlreadyLoadedError:
         await engine.unload_adapter(name)
         await engine.load_adapter(name, path)
+    try:
+        yield name
+    finally:
+        await engine.unload_adapter(name)

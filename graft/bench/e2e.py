@@ -304,8 +304,10 @@ def add_arguments(parser: argparse.ArgumentParser, repeats: bool = True) -> None
     of the two, the steps per run and how many interleaved repetitions."""
     parser.add_argument("--hidden", type=int, default=None,
                         help="one model of this hidden size instead of h128 l2 and h512 l8")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the --hidden model (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run, the first 2 are warm-up (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="decoder layers of the --hidden model (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="steps per run, the first 2 are warm-up (default %(default)s)")
     if repeats:
         parser.add_argument("--repeats", type=int, default=3,
                             help="interleaved repetitions per side, medians reported (default and most %(default)s)")

@@ -23,13 +23,13 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
-from graft.config import GraftConfig, load_config
-from graft.evaluation import evaluate
+from graft.config import GraftConfig
+from graft.evaluation import evaluate, loaded_adapter
 from graft.models.loading import load_tokenizer
-from graft.quickstart.base import QUICKSTART_SETTINGS, cached_base_model, default_cache_dir
+from graft.quickstart.base import cached_base_model, default_cache_dir, shipped_config
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
-from graft.tasks.examples import load_task_data
+from graft.tasks.registry import load_task_data
 from graft.train.metrics import read_jsonl
 from graft.train.trainer import train
 
@@ -43,11 +43,12 @@ EVAL_EXAMPLES = 1000
 def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, extra: tuple[str, ...] = ()
                  ) -> GraftConfig:
     """The quickstart's settings with the shaped reward, on the bench's server; `extra` overrides last."""
-    return load_config(None, [*QUICKSTART_SETTINGS, f"model.path={base}", f"rollout.urls=[{url}]",
-                              # held-out accuracy as TRL's adapters are scored: exact_numeric, not the shaped sum
-                              f"data.reward={REWARD}", "data.eval_reward=exact_numeric", f"train.steps={steps}",
-                              f"train.eval_every={eval_every}", f"train.eval_examples={EVAL_EXAMPLES}",
-                              "train.checkpoint_every=0", f"train.seed={seed}", *extra])
+    return shipped_config("arithmetic", [
+        f"model.path={base}", f"rollout.urls=[{url}]",
+        # held-out accuracy as TRL's adapters are scored: exact_numeric, not the shaped sum
+        f"data.reward={REWARD}", "data.eval_reward=exact_numeric", f"train.steps={steps}",
+        f"train.eval_every={eval_every}", f"train.eval_examples={EVAL_EXAMPLES}",
+        "train.checkpoint_every=0", f"train.seed={seed}", *extra])
 
 
 def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path) -> dict:
@@ -77,13 +78,9 @@ async def score_adapters(config: GraftConfig, run_dir: Path, adapters: list[dict
     points = []
     async with open_engine(config, run_dir, syncs=False) as engine:  # evaluates saved adapters only
         for i, saved in enumerate(adapters):
-            name = f"trl-eval-{i}"
-            await engine.load_adapter(name, saved["path"])
-            try:
+            async with loaded_adapter(engine, f"trl-eval-{i}", saved["path"]) as name:
                 accuracy = await evaluate(engine, name, eval_set[:config.train.eval_examples], tokenizer,
                                           config.rollout.max_new_tokens)
-            finally:
-                await engine.unload_adapter(name)
             points.append({"step": saved["step"], "seconds": saved["clock"], "accuracy": accuracy})
     return points
 

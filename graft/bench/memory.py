@@ -46,7 +46,7 @@ SHAPES = ({"name": "qwen2.5-0.5b-shape-2-layers", "layers": 2, "sequences": 32},
 def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     import torch
 
-    from graft.train.allocator import return_freed_memory_to_the_os
+    from graft.train.cpu_tuning import return_freed_memory_to_the_os
 
     return_freed_memory_to_the_os()  # as `graft train` does at this size (train.return_freed_memory: auto)
 

@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="model hidden size (default %(default)s)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default %(default)s)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per side, median reported (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed runs per side, median reported (default %(default)s)")
     parser.add_argument("--cycles", type=int, default=50,
                         help="PEFT merge/unmerge cycles for the drift measurement (default %(default)s)")
 

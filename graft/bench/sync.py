@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
 import safetensors.torch
 import torch
 from rich.console import Console
@@ -31,14 +34,18 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from graft.lora.adapter_io import adapter_state_dict
 from graft.lora.attach import attach_lora, lora_parameters
+from graft.lora.export import write_merged_model
 from graft.models.loading import load_model
 from graft.models.tokenizer import train_tokenizer
+from graft.rollout.engine import RolloutEngine
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.sync.adapter import AdapterSync
 from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
+from graft.sync.result import SyncResult
+from graft.sync.source import policy_source
 
 
 @dataclass(frozen=True)
@@ -98,18 +105,67 @@ def raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
     return time.perf_counter() - start, size
 
 
+
+@contextlib.contextmanager
+def bench_server(shape: ModelShape, work: Path, max_lora_rank: int, console: Console
+                 ) -> Iterator[tuple[Path, VllmServer]]:
+    """(WORK/base, a bf16 vLLM server serving it) for the block: a random model of `shape`, served
+    with the dev endpoints merged sync reloads weights through; the server stops after."""
+    with console.status(f"{shape.name}: building a random model and starting vLLM"):
+        base = build_base(shape, work / "base")
+        server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max_lora_rank,
+                                             max_loras=4, log_dir=work, dev_endpoints=True)).start()
+    try:
+        yield base, server
+    finally:
+        server.stop()
+
+
+def bench_syncs(engine: RolloutEngine, work: Path) -> tuple[AdapterSync, MergedSync]:
+    """The adapter and merged syncs the sync benches measure, publishing under WORK/weights."""
+    adapter_sync = AdapterSync(engine, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
+                               keep_versions=3, max_loras=4, inflight=InFlightVersions())
+    return adapter_sync, MergedSync(engine, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
+
+
+def medians(samples: dict[str, list[tuple[float, int]]]) -> dict[str, tuple[float, int]]:
+    """mode -> (median seconds, the last round's bytes)."""
+    return {mode: (statistics.median(s for s, _ in values), values[-1][1]) for mode, values in samples.items()}
+
+
+class FullSync:
+    """What full fine-tuning would publish: every weight of a model without LoRA, written as merged
+    sync writes its weights (`graft.lora.export.write_merged_model`) and reloaded by the engine the same
+    way. graft trains LoRA, so `sync.mode` does not offer it: this bench measures it as a reference."""
+
+    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, dtype: torch.dtype) -> None:
+        self.engine, self.publisher, self.dtype = engine, publisher, dtype
+
+    async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
+        """Publish `model`'s weights as `version` and make the engine serve them."""
+        source = policy_source(model)
+        if isinstance(source.model, peft.PeftModel):
+            raise ValueError(f"full sync needs a model without LoRA, got {type(source.model).__name__}")
+        start = time.perf_counter()
+        published = self.publisher.publish(
+            "full", version, step,
+            lambda out_dir: write_merged_model(source.model, out_dir, dtype=self.dtype,
+                                               weights=source.merged_weights(self.dtype)))
+        published_at = time.perf_counter()
+        await self.engine.reload_weights(str(published.path))
+        done = time.perf_counter()
+        return SyncResult(mode="full", version=version, adapter=None, seconds=done - start,
+                          publish_seconds=published_at - start, apply_seconds=done - published_at,
+                          bytes=published.bytes, engine_adapters_loaded=0, unload_failures=0)
+
 async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
     policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
     full_model = load_model(base, dtype="bfloat16")
     samples: dict[str, list[tuple[float, int]]] = {
         m: [] for m in ("adapter", "adapter_publish", "merged", "full", "raw_write")}
     async with VllmClient(url) as client:
-        adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
-                                   keep_versions=3, max_loras=4, inflight=InFlightVersions())
-        merged_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
-                                  dtype=torch.bfloat16)
-        full_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="full",
-                                dtype=torch.bfloat16)
+        adapter_sync, merged_sync = bench_syncs(client, work)
+        full_sync = FullSync(client, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
         try:
             for version in range(1, repeats + 2):  # version 1 warms up, not counted
                 with torch.no_grad():  # a new policy each round, as after an optimizer step
@@ -127,7 +183,7 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
                 progress.advance(task)
         finally:
             await adapter_sync.close()
-    return {mode: (statistics.median(s for s, _ in values), values[-1][1]) for mode, values in samples.items()}
+    return medians(samples)
 
 
 def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), repeats: int = 3) -> dict:
@@ -136,21 +192,13 @@ def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), rep
     console = Console(stderr=True)
     for name in shapes:
         shape = SHAPES[name]
-        with tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-{name}-") as tmp:
-            work = Path(tmp)
-            with console.status(f"{name}: building a random model and starting vLLM"):
-                base = build_base(shape, work / "base")
-                server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=shape.rank,
-                                                     max_loras=4, log_dir=work, dev_endpoints=True)).start()
-            try:
-                with Progress(transient=True, console=console) as progress:
-                    task = progress.add_task(f"{name}: sync rounds (adapter, merged, full, raw write)",
-                                             total=repeats + 1)
-                    medians = asyncio.run(_rounds(server.url, base, work, shape, repeats, progress, task))
-            finally:
-                server.stop()
+        with (tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-{name}-") as tmp,
+              bench_server(shape, Path(tmp), shape.rank, console) as (base, server),
+              Progress(transient=True, console=console) as progress):
+            task = progress.add_task(f"{name}: sync rounds (adapter, merged, full, raw write)", total=repeats + 1)
+            by_mode = asyncio.run(_rounds(server.url, base, Path(tmp), shape, repeats, progress, task))
         rows += [{"model": name, "mode": mode, "seconds": seconds, "bytes": size}
-                 for mode, (seconds, size) in medians.items()]
+                 for mode, (seconds, size) in by_mode.items()]
     return {"repeats": repeats, "rows": rows}
 
 
@@ -173,7 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES),
                         help="model shapes (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="rounds per mode, median reported (default %(default)s; at most 5, with --sweep at most 3)")
+                        help="rounds per mode, median reported (default %(default)s; at most 5, with --sweep at "
+                             "most 3)")
     parser.add_argument("--sweep", choices=["size", "rank"],
                         help="cost growth instead, adapter vs merged with their raw-write floors, over 4 model "
                              "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "

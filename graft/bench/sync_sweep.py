@@ -6,7 +6,7 @@ warm-up round), each starting on a flushed disk and an idle engine (untimed, see
 - adapter: AdapterSync, publish + load into vLLM (+ unload of the version leaving the window);
 - adapter_publish: its publish part alone (files, fsync, hashes, manifest);
 - raw_write: adapter's floor: gather the adapter tensors, `safetensors.save_file`, fsync;
-- merged: MergedSync(kind="merged"), publish base + LoRA merged (fp32 math) + reload the server's weights;
+- merged: MergedSync, publish base + LoRA merged (fp32 math) + reload the server's weights;
 - merged_publish: its publish part alone;
 - merged_raw_write: merged's floor: the same weight bytes (the base's, same names, shapes and dtype as the
   merged ones) written with `safetensors.save_file` + fsync; the merge itself is not timed.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,18 +37,13 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
-from graft.bench.sync import SHAPES, ModelShape, build_base, raw_write_seconds, save_fsync
+from graft.bench.sync import SHAPES, ModelShape, bench_server, bench_syncs, medians, raw_write_seconds, save_fsync
 from graft.config import VLLM_LORA_RANKS
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
 from graft.rollout.process_group import group_cpu_seconds
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
-from graft.sync.adapter import AdapterSync
-from graft.sync.inflight import InFlightVersions
-from graft.sync.merged import MergedSync
-from graft.sync.publish import WeightPublisher
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -124,10 +118,7 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
     raw_path, merged_raw_path = work / "raw.safetensors", work / "merged-raw.safetensors"
     version = 0
     async with VllmClient(url) as client:
-        adapter_sync = AdapterSync(client, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
-                                   keep_versions=3, max_loras=4, inflight=InFlightVersions())
-        merged_sync = MergedSync(client, WeightPublisher(work / "weights", keep_versions=1), kind="merged",
-                                  dtype=torch.bfloat16)
+        adapter_sync, merged_sync = bench_syncs(client, work)
         try:
             for round_index in range(repeats + 1):  # round 0 warms up, not counted
                 for policy, point in zip(policies, samples):
@@ -158,8 +149,7 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
         finally:
             await adapter_sync.close()
     params = sum(p.numel() for p in plain.parameters())  # tied embeddings counted once
-    return params, [{mode: (statistics.median(s for s, _ in values), values[-1][1]) for mode, values in point.items()}
-                    for point in samples]
+    return params, [medians(point) for point in samples]
 
 
 def run_sync_sweep(sweep: str, repeats: int = 3, *, groups: Sequence[Sequence[ModelShape]] | None = None) -> dict:
@@ -188,25 +178,17 @@ def run_sync_sweep(sweep: str, repeats: int = 3, *, groups: Sequence[Sequence[Mo
         max_rank = max(shape.rank for shape in shapes)
         if max_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"rank {max_rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-        with tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-sweep-{model.name}-") as tmp:
-            work = Path(tmp)
-            with console.status(f"{model.name}: building a random model and starting vLLM"):
-                base = build_base(model, work / "base")
-                config = VllmServerConfig(model=str(base), dtype="bfloat16", max_loras=4, log_dir=work,
-                                          max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= max_rank),
-                                          dev_endpoints=True)  # merged sync reloads weights
-                server = VllmServer(config).start()
-            try:
-                with Progress(transient=True, console=console) as progress:
-                    task = progress.add_task(f"{model.name}: rounds of {len(shapes)} point(s) x {len(MODES)} modes",
-                                             total=(repeats + 1) * len(shapes))
-                    params, medians = asyncio.run(_measure_group(server.url, server.pid, base, work, shapes, repeats,
-                                                                 progress, task))
-            finally:
-                server.stop()
+        lora_rank = min(r for r in VLLM_LORA_RANKS if r >= max_rank)
+        with (tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-sweep-{model.name}-") as tmp,
+              bench_server(model, Path(tmp), lora_rank, console) as (base, server),
+              Progress(transient=True, console=console) as progress):
+            task = progress.add_task(f"{model.name}: rounds of {len(shapes)} point(s) x {len(MODES)} modes",
+                                     total=(repeats + 1) * len(shapes))
+            params, points = asyncio.run(_measure_group(server.url, server.pid, base, Path(tmp), shapes, repeats,
+                                                        progress, task))
         rows += [{"model": shape.name, "params": params, "rank": shape.rank, "mode": mode, "seconds": seconds,
                   "bytes": size}
-                 for shape, point in zip(shapes, medians) for mode, (seconds, size) in point.items()]
+                 for shape, point in zip(shapes, points) for mode, (seconds, size) in point.items()]
     return {"sweep": sweep, "repeats": repeats, "rows": rows}
 
 

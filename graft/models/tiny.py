@@ -18,12 +18,13 @@ from transformers import (
     LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from graft.atomic import atomic_dir
+from graft.atomic import atomic_dir, require_empty_dir
 from graft.models.tokenizer import train_tokenizer
 
 # Architecture name -> (config class, model class).
@@ -130,22 +131,25 @@ def build_tiny_model(
     Raises:
         ValueError: If ``out_dir`` exists and is not empty, or on a bad ``arch`` or ``hidden``.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} already exists and is not empty; refusing to overwrite it")
+    out_dir = require_empty_dir(out_dir)
     tokenizer = train_tokenizer(vocab_size)
     config = tiny_config(tokenizer, arch=arch, hidden=hidden, layers=layers, intermediate=intermediate)
     _, model_cls = ARCHS[arch]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    return save_model_dir(out_dir, model, tokenizer)
 
+
+def save_model_dir(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                   files: dict[str, str] | None = None) -> Path:
+    """Writes `model` with a generation config holding the tokenizer's bos/eos/pad ids, `tokenizer`
+    and `files` (name -> text) through ``atomic_dir``: a failure leaves nothing at `out_dir`."""
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
     with atomic_dir(out_dir) as tmp_dir:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        for name, text in (files or {}).items():
+            (tmp_dir / name).write_text(text)
     return out_dir

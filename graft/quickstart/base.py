@@ -1,6 +1,6 @@
 """The quickstart's ingredients, as a library (the benches use them too), per task (`TASKS`): its
-warm-up base model, built once per seed and cached, and its training settings (the task's shipped
-config holds the same: `configs/quickstart.yaml`, `configs/tools-quickstart.yaml`, ...).
+warm-up base model, built once per seed and cached, and its training settings, read from the task's
+shipped config (`configs/quickstart.yaml`, `configs/tools-quickstart.yaml`, ...).
 """
 
 from __future__ import annotations
@@ -23,62 +23,36 @@ from graft.quickstart.warmup import RECIPE, sft_base_model
 # above; measured here, bases at 40% gained 11.5 points in 300 steps, bases at 48-56% 22-28 points).
 SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 2000, "batch": 64, "lr": 3e-3, "target_accuracy": 0.5}
 
-# configs/quickstart.yaml holds the same settings (a test keeps them equal); model.path is the base.
-QUICKSTART_SETTINGS = [
-    "model.dtype=float32",
-    "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
-    "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
-    "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.max_staleness=1",
-    "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.steps=100", "train.batch_prompts=32", "train.mini_batches=4", "train.lr=1e-3", "train.kl_coef=0.0",
-    "train.tis_cap=2.0", "train.activation_checkpointing=false",
-    "train.eval_every=25", "train.eval_examples=200", "train.checkpoint_every=25",
-    "data.task=arithmetic", "data.reward=exact_numeric",
-]
-
-
 # The multi-turn quickstarts (`graft quickstart --task tools|guessing`): bases that watched a teacher
-# play the environment (graft.quickstart.multiturn); the shipped configs hold the same settings.
+# play the environment (graft.quickstart.multiturn).
 MULTITURN_SFT_ARGS = {"hidden": 128, "layers": 2, "steps": 800, "batch": 64, "lr": 3e-3, "games": 4000}
-_MULTITURN_SETTINGS = [
-    "model.dtype=float32",
-    "lora.rank=8", "lora.alpha=16", "lora.target_modules=all-linear",
-    "rollout.engine=vllm", "rollout.max_lora_rank=8", "rollout.max_loras=4", "rollout.n_samples=8",
-    "rollout.temperature=1.0", "rollout.max_staleness=1",
-    "sync.mode=adapter", "sync.keep_versions=auto", "sync.verify=true",
-    "train.batch_prompts=16", "train.mini_batches=2", "train.lr=2e-3", "train.kl_coef=0.0",
-    "train.tis_cap=2.0", "train.activation_checkpointing=false", "train.eval_examples=100",
-    "train.checkpoint_every=10", "data.max_episode_tokens=256", "data.truncated=score",
-]
-TOOLS_SETTINGS = [*_MULTITURN_SETTINGS, "train.steps=40", "train.eval_every=10", "rollout.max_new_tokens=16",
-                  "data.task=calculator", "data.env=calculator", "data.max_turns=2"]
-GUESSING_SETTINGS = [*_MULTITURN_SETTINGS, "train.steps=60", "train.eval_every=20", "rollout.max_new_tokens=4",
-                     "data.task=guessing", "data.env=guessing", "data.max_turns=4"]
+
+# graft is installed editable (`make install`): the shipped configs are read from the checkout.
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
 class QuickstartTask:
-    """What `graft quickstart --task NAME` runs: how its base model is warmed up, the training
-    settings (those of the shipped `config`), and what its held-out number is."""
+    """What `graft quickstart --task NAME` runs: how its base model is warmed up, the shipped
+    `config` (relative to the checkout) whose settings it trains with, and what its held-out number is."""
 
     sft_args: dict
     build: Callable[..., Path]  # build(out_dir, seed=..., **sft_args)
-    settings: list[str]
     config: str
     warmup: str  # shown while the base is built
     held_out: str
 
 
 TASKS = {
-    "arithmetic": QuickstartTask(SFT_ARGS, sft_base_model, QUICKSTART_SETTINGS, "configs/quickstart.yaml",
+    "arithmetic": QuickstartTask(SFT_ARGS, sft_base_model, "configs/quickstart.yaml",
                                  "supervised warm-up on arithmetic until half its answers are right, 1-5 min",
                                  "accuracy (greedy)"),
     "tools": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "calculator", "max_turns": 2}, sft_multiturn_base,
-                            TOOLS_SETTINGS, "configs/tools-quickstart.yaml",
+                            "configs/tools-quickstart.yaml",
                             "supervised warm-up on a teacher's calculator episodes, 3-4 min",
                             "reward (greedy episodes)"),
     "guessing": QuickstartTask({**MULTITURN_SFT_ARGS, "env": "guessing", "max_turns": 4, "steps": 300},
-                               sft_multiturn_base, GUESSING_SETTINGS, "configs/guessing-quickstart.yaml",
+                               sft_multiturn_base, "configs/guessing-quickstart.yaml",
                                "supervised warm-up on a random guesser's games, ~1 min", "reward (greedy episodes)"),
 }
 
@@ -104,8 +78,15 @@ def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = 
     return path, True
 
 
+def shipped_config(task: str, overrides: list[str]) -> GraftConfig:
+    """`task`'s shipped config (`TASKS[task].config`) with `overrides` on top."""
+    return load_config(REPO / TASKS[task].config, overrides)
+
+
 def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic") -> GraftConfig:
-    overrides = [*TASKS[task].settings, f"model.path={base_dir}", f"train.seed={seed}"]
+    """What `graft quickstart --task TASK` trains with: the task's shipped config on `base_dir`, seeded by
+    `seed`; `steps` (the --steps flag) replaces the config's train.steps when given."""
+    overrides = [f"model.path={base_dir}", f"train.seed={seed}"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
-    return load_config(None, overrides)
+    return shipped_config(task, overrides)

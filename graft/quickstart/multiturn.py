@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 from transformers import Qwen2ForCausalLM
 
+from graft.atomic import require_empty_dir
 from graft.models.tiny import tiny_config
 from graft.models.tokenizer import train_tokenizer
 from graft.quickstart.warmup import collate_labelled, save_base_model, train_on_sequences
 from graft.rollout.episodes import TurnRenderer
 from graft.tasks.envs import ENVS
-from graft.tasks.examples import TASKS, Example
+from graft.tasks.examples import Example
+from graft.tasks.registry import TASKS
 
 LOW, HIGH = 1, 16  # guessing_task's default range
 TOOL_SHARE = 0.3  # episodes in which the tools teacher calls the calculator
@@ -103,9 +105,7 @@ def sft_multiturn_base(out_dir: str | Path, *, env: str, hidden: int = 128, laye
     """Builds a random tiny Qwen2 and trains all of it on `games` teacher episodes of `env` (examples
     from the task of the same name's train split, seeded by `seed`), then saves it as
     `graft.quickstart.warmup.save_base_model` does. The same arguments give the same weights."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} already exists and is not empty; refusing to overwrite it")
+    out_dir = require_empty_dir(out_dir)
     tokenizer = train_tokenizer()
     renderer, rng = TurnRenderer(tokenizer), random.Random(seed)
     train, _ = TASKS[env](seed=seed)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2ForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2ForCausalLM
 
-from graft.atomic import atomic_dir
-from graft.models.tiny import tiny_config
+from graft.atomic import require_empty_dir
+from graft.models.tiny import save_model_dir, tiny_config
 from graft.models.tokenizer import train_tokenizer
 from graft.rl.packing import Sequence, pad
 from graft.tasks import Example, render_prompt_ids
@@ -215,9 +215,7 @@ def sft_base_model(
     Raises:
         ValueError: If ``out_dir`` exists and is not empty, or on a bad ``hidden`` or task argument.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} already exists and is not empty; refusing to overwrite it")
+    out_dir = require_empty_dir(out_dir)
     task_kwargs = dict(DEFAULT_TASK_KWARGS if task_kwargs is None else task_kwargs)
     train, _ = arithmetic_task(**task_kwargs)
     tokenizer = train_tokenizer()
@@ -259,13 +257,7 @@ def sft_base_model(
 def save_base_model(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, record: dict) -> Path:
     """Writes a warm-up base (fp32 safetensors, config, generation config, tokenizer and ``sft.json``
     holding ``record``) through ``atomic_dir``: a failure leaves nothing at ``out_dir``."""
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    with atomic_dir(out_dir) as tmp_dir:
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        (tmp_dir / "sft.json").write_text(json.dumps(record, indent=1))
-    return out_dir
+    return save_model_dir(out_dir, model, tokenizer, {"sft.json": json.dumps(record, indent=1)})
 
 
 @torch.no_grad()

@@ -4,8 +4,7 @@ Merged mode streams `base + LoRA` through graft's zero-drift merge (fp32 math, o
 new tensors: the trainer's base weights are never written) into a versioned directory, then every
 engine reloads its base weights from it (pause → reload → reset prefix cache → resume, inside the
 engine client). Requests then name the base model: serving runs at base speed, without the LoRA
-kernels. `kind="full"` is the same path for a model without LoRA (what full fine-tuning would
-publish): `graft bench sync` measures it; `sync.mode` does not offer it, as graft trains LoRA.
+kernels.
 
 A reload swaps what every request sees, so `needs_engine_lock`: the trainer holds the rollout
 producer's engine lock across the sync and no batch mixes two versions.
@@ -26,8 +25,8 @@ from graft.sync.source import Policy, policy_source
 
 
 class MergedSync:
-    """The `merged` sync mode: publish `kind` ("merged" or "full") weight versions and reload them
-    into `engine`. Implements `graft.sync.modes.SyncMode`.
+    """The `merged` sync mode: publish merged weight versions and reload them into `engine`.
+    Implements `graft.sync.modes.SyncMode`.
 
     Args:
         dtype: dtype of the published weights: what the engine serves (e.g. bfloat16).
@@ -35,12 +34,10 @@ class MergedSync:
 
     needs_engine_lock = True
 
-    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, dtype: torch.dtype,
-                 kind: str = "merged") -> None:
-        assert kind in ("merged", "full"), kind
+    def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, dtype: torch.dtype) -> None:
         self.engine = engine
         self.publisher = publisher
-        self.kind = self.name = kind
+        self.kind = self.name = "merged"
         self.dtype = dtype
 
     def request_adapter(self, version: int) -> None:
@@ -62,9 +59,8 @@ class MergedSync:
         """
         source = policy_source(policy)
         model = source.model
-        if (self.kind == "merged") != isinstance(model, peft.PeftModel):
-            raise ValueError(f"{self.kind} sync needs {'a LoRA (PEFT) model' if self.kind == 'merged' else 'a model without LoRA'}"
-                             f", got {type(model).__name__}")
+        if not isinstance(model, peft.PeftModel):
+            raise ValueError(f"merged sync needs a LoRA (PEFT) model, got {type(model).__name__}")
         start = time.perf_counter()
         published = self.publisher.publish(
             self.kind, version, step,

@@ -6,7 +6,7 @@ the train and eval sets never share a question: eval accuracy measures generalis
 
 import random
 
-from graft.tasks.examples import TASKS, Example
+from graft.tasks.examples import Example
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -66,6 +66,3 @@ def _example(index: int, ops: tuple[str, ...], n_values: int) -> Example:
         answer=str(_OPS[op](a, b)),
         metadata={"a": a, "op": op, "b": b},
     )
-
-
-TASKS["arithmetic"] = arithmetic_task

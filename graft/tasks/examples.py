@@ -1,20 +1,16 @@
 """Examples (a prompt and its reference answer), where they come from, and how a prompt becomes ids.
 
-A run gets its data either from a built-in task looked up by name in `TASKS` (the synthetic
-arithmetic task registers itself there) or from data files (JSONL, Parquet or a saved Hugging Face
-dataset; `graft.tasks.datasets` reads them). Both give the same thing: a training list and a
-held-out eval list of `Example`s. Rewards compare completions with `Example.answer`.
+A run gets its data either from a built-in task looked up by name (`graft.tasks.registry`) or from
+data files (JSONL, Parquet or a saved Hugging Face dataset; `graft.tasks.datasets` reads them, and
+`load_examples` here makes `Example`s of them). Rewards compare completions with `Example.answer`.
 """
 
-import random
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from graft.config import DataConfig
 from graft.tasks.datasets import read_records
 
 
@@ -36,11 +32,6 @@ class Example:
     metadata: dict = field(default_factory=dict)
 
 
-# name -> factory returning (train, eval); built-in tasks add themselves on import of graft.tasks.
-TASKS: dict[str, Callable[..., tuple[list[Example], list[Example]]]] = {}
-
-_EVAL_FRACTION = 0.1
-_SPLIT_SEED = 0
 
 
 def load_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer") -> list[Example]:
@@ -139,42 +130,3 @@ def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, example: Example) -> l
     """
     text = tokenizer.apply_chat_template(prompt_messages(example), add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _held_out_split(examples: list[Example]) -> tuple[list[Example], list[Example]]:
-    """Holds out 10% (rounded down) of the examples, chosen by a fixed seed so every run of the same
-    file gets the same split; a sorted file still gives a mixed eval set. Both keep file order."""
-    n_eval = int(len(examples) * _EVAL_FRACTION)
-    eval_idx = set(random.Random(_SPLIT_SEED).sample(range(len(examples)), n_eval))
-    train = [ex for i, ex in enumerate(examples) if i not in eval_idx]
-    held_out = [ex for i, ex in enumerate(examples) if i in eval_idx]
-    return train, held_out
-
-
-def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example]]:
-    """The (train, held-out eval) examples a run uses.
-
-    `data.task` names a built-in task in `TASKS`, built with its defaults. Otherwise `data.path` is
-    read (fields mapped by `data.prompt_key` and `data.answer_key`); the eval set is
-    `data.eval_path` when given, else a deterministic 10% of `data.path`. `data.system_prompt`, when
-    set, goes in front of every prompt without a system message of its own.
-
-    Raises:
-        ValueError: For an unknown task name (listing the known ones) or a malformed data file.
-    """
-    if data_config.task is not None:
-        if data_config.task not in TASKS:
-            raise ValueError(f"unknown data.task {data_config.task!r}; known tasks: {sorted(TASKS)}")
-        train, held_out = TASKS[data_config.task]()
-    else:
-        assert data_config.path is not None  # DataConfig guarantees exactly one source
-        keys = {"prompt_key": data_config.prompt_key, "answer_key": data_config.answer_key}
-        train = load_examples(data_config.path, **keys)
-        if data_config.eval_path is not None:
-            held_out = load_examples(data_config.eval_path, **keys)
-        else:
-            train, held_out = _held_out_split(train)
-    if (system := data_config.system_prompt) is not None:
-        train = [with_system_prompt(ex, system) for ex in train]
-        held_out = [with_system_prompt(ex, system) for ex in held_out]
-    return train, held_out

@@ -18,7 +18,8 @@ from graft.rollout.engine import RolloutEngine, SamplingParams
 from graft.rollout.episodes import EpisodeLimits
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.envs import EnvFactory, resolve_env
-from graft.tasks.examples import Example, load_task_data
+from graft.tasks.examples import Example
+from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 from graft.tasks.scoring import Scorer
 from graft.train.dynamic_sampling import sample_informative_groups

@@ -32,7 +32,7 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
         async with VllmClient(vllm_server.url) as client:
             base_tokens = await greedy(client)
             try:
-                result = await MergedSync(client, publisher, kind="merged", dtype=torch.float32).sync(model, 1, 1)
+                result = await MergedSync(client, publisher, dtype=torch.float32).sync(model, 1, 1)
                 assert result.mode == "merged" and result.bytes > 0 and result.engine_adapters_loaded == 0
                 served = await greedy(client)
                 assert served == await greedy(ReferenceEngine(result_path(publisher, 1)))
@@ -41,7 +41,7 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
                 assert gap <= FP32_TOLERANCE
 
                 # 100 more merged syncs, each of a changed adapter: the trainer's base stays bit-identical.
-                sync = MergedSync(client, publisher, kind="merged", dtype=torch.float32)
+                sync = MergedSync(client, publisher, dtype=torch.float32)
                 for version in range(2, 102):
                     with torch.no_grad():
                         next(iter(lora_parameters(model).values())).add_(1e-3)

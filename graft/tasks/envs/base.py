@@ -53,9 +53,6 @@ class Env(Protocol):
 
 EnvFactory = Callable[[], Env]
 
-# name -> environment class; the built-in environments add themselves on import of graft.tasks.envs.
-ENVS: dict[str, EnvFactory] = {}
-
 ENV_SIGNATURES = ("a class (or factory) called with no arguments, whose objects have reset(example) -> "
                   "list of chat messages and step(model_text: str) -> StepResult(messages, reward, done); "
                   "either may be async")

@@ -16,8 +16,8 @@ import operator
 import random
 import re
 
-from graft.tasks.envs.base import ENVS, StepResult
-from graft.tasks.examples import TASKS, Example, prompt_messages
+from graft.tasks.envs.base import StepResult
+from graft.tasks.examples import Example, prompt_messages
 from graft.tasks.rewards import exact_numeric
 
 _CALL = re.compile(r"calc:\s*([0-9+\-*/() .]+)")
@@ -69,7 +69,3 @@ def calculator_task(seed: int = 0, n_train: int = 2000, n_eval: int = 200) -> tu
     pairs = list(dict.fromkeys((rng.randint(100, 999), rng.randint(100, 999)) for _ in range(3 * (n_train + n_eval))))
     examples = [Example(PROMPT.format(a=a, b=b), str(a * b), {"a": a, "b": b}) for a, b in pairs[:n_train + n_eval]]
     return examples[:n_train], examples[n_train:]
-
-
-ENVS["calculator"] = CalculatorEnv
-TASKS["calculator"] = calculator_task

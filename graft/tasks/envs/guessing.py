@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 import re
 
-from graft.tasks.envs.base import ENVS, StepResult
-from graft.tasks.examples import TASKS, Example, prompt_messages
+from graft.tasks.envs.base import StepResult
+from graft.tasks.examples import Example, prompt_messages
 
 MAX_GUESSES = 8  # the reward's scale: a hit at guess k earns 1 - (k - 1) / MAX_GUESSES
 _INTEGER = re.compile(r"-?\d+")
@@ -48,7 +48,3 @@ def guessing_task(seed: int = 0, n_train: int = 2000, n_eval: int = 200, low: in
     prompt = PROMPT.format(low=low, high=high)
     examples = [Example(prompt, str(rng.randint(low, high))) for _ in range(n_train + n_eval)]
     return examples[:n_train], examples[n_train:]
-
-
-ENVS["guessing"] = GuessingEnv
-TASKS["guessing"] = guessing_task

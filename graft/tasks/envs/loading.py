@@ -8,10 +8,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from graft.tasks.envs.base import ENV_SIGNATURES, ENVS, EnvFactory
+from graft.tasks.envs.base import ENV_SIGNATURES, EnvFactory
+from graft.tasks.envs.calculator import CalculatorEnv
+from graft.tasks.envs.guessing import GuessingEnv
 from graft.tasks.reward_loading import import_attribute
 
 _KEY = "data.env"
+
+# The built-in environments by name, each with a task of the same name (`graft.tasks.registry.TASKS`).
+ENVS: dict[str, EnvFactory] = {"calculator": CalculatorEnv, "guessing": GuessingEnv}
 
 
 def resolve_env(name: str, key: str = _KEY) -> EnvFactory:

@@ -1,0 +1,65 @@
+"""The built-in tasks and where a run's examples come from.
+
+`TASKS` lists every built-in task (`data.task`) by name, in this one place: a new one is a function
+in its own module returning (train, held-out) examples, and a line here. `load_task_data` gives a
+run its (train, held-out) examples: a built-in task looked up by name, or data files.
+"""
+
+import random
+from collections.abc import Callable
+
+from graft.config import DataConfig
+from graft.tasks.arithmetic import arithmetic_task
+from graft.tasks.envs.calculator import calculator_task
+from graft.tasks.envs.guessing import guessing_task
+from graft.tasks.examples import Example, load_examples, with_system_prompt
+
+# name -> factory returning (train, held-out), called with its defaults by a run. The environments'
+# tasks (calculator, guessing) share their environment's name (`graft.tasks.envs.ENVS`).
+TASKS: dict[str, Callable[..., tuple[list[Example], list[Example]]]] = {
+    "arithmetic": arithmetic_task,
+    "calculator": calculator_task,
+    "guessing": guessing_task,
+}
+
+_EVAL_FRACTION = 0.1
+_SPLIT_SEED = 0
+
+
+def _held_out_split(examples: list[Example]) -> tuple[list[Example], list[Example]]:
+    """Holds out 10% (rounded down) of the examples, chosen by a fixed seed so every run of the same
+    file gets the same split; a sorted file still gives a mixed eval set. Both keep file order."""
+    n_eval = int(len(examples) * _EVAL_FRACTION)
+    eval_idx = set(random.Random(_SPLIT_SEED).sample(range(len(examples)), n_eval))
+    train = [ex for i, ex in enumerate(examples) if i not in eval_idx]
+    held_out = [ex for i, ex in enumerate(examples) if i in eval_idx]
+    return train, held_out
+
+
+def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example]]:
+    """The (train, held-out eval) examples a run uses.
+
+    `data.task` names a built-in task in `TASKS`, built with its defaults. Otherwise `data.path` is
+    read (fields mapped by `data.prompt_key` and `data.answer_key`); the eval set is
+    `data.eval_path` when given, else a deterministic 10% of `data.path`. `data.system_prompt`, when
+    set, goes in front of every prompt without a system message of its own.
+
+    Raises:
+        ValueError: For an unknown task name (listing the known ones) or a malformed data file.
+    """
+    if data_config.task is not None:
+        if data_config.task not in TASKS:
+            raise ValueError(f"unknown data.task {data_config.task!r}; known tasks: {sorted(TASKS)}")
+        train, held_out = TASKS[data_config.task]()
+    else:
+        assert data_config.path is not None  # DataConfig guarantees exactly one source
+        keys = {"prompt_key": data_config.prompt_key, "answer_key": data_config.answer_key}
+        train = load_examples(data_config.path, **keys)
+        if data_config.eval_path is not None:
+            held_out = load_examples(data_config.eval_path, **keys)
+        else:
+            train, held_out = _held_out_split(train)
+    if (system := data_config.system_prompt) is not None:
+        train = [with_system_prompt(ex, system) for ex in train]
+        held_out = [with_system_prompt(ex, system) for ex in held_out]
+    return train, held_out
