@@ -52,7 +52,8 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
-    from graft.train.distributed import Dist, parallelize
+    from graft.train.dist import Dist
+    from graft.train.parallelize import parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 

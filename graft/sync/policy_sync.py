@@ -67,7 +67,7 @@ class PolicySync:
         """Publish `policy` as `version`, apply it to every engine, verify; the step's sync metrics.
 
         `policy` is a model, or (an FSDP2 run's rank 0) a source whose forwards and merged stream
-        are collectives: the other ranks serve them meanwhile (`graft.train.sharded_source`).
+        are collectives: the other ranks serve them meanwhile (`graft.train.ranks`).
 
         Raises:
             NonFinitePolicyError: `policy` is not finite (nothing is published; see graft.sync.guard).

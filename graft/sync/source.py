@@ -4,7 +4,7 @@ A sync publishes a version (the adapter's tensors and config, or the merged weig
 non-finite one (LoRA tensors, then a probe forward) and verifies delivery (teacher-forced log-probs
 of the engine's tokens). In one process all of that reads the model itself (`ModelSource`). In an
 FSDP2 run the model is sharded over the ranks and rank 0 holds its shard plus the LoRA tensors
-gathered after the step, never a whole copy of the model: there `graft.train.sharded_source`
+gathered after the step, never a whole copy of the model: there `graft.train.ranks.ShardedSource`
 implements the same interface, its forwards and its merged stream being collectives that the other
 ranks join. Sync code never asks which one it has.
 """

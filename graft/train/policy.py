@@ -2,7 +2,7 @@
 it (`source`), the optimizer, and where the run stands — created fresh or resumed.
 
 No rank holds the model whole: rank 0 keeps its shard and the LoRA tensors gathered after each step,
-and the sync reads the rest through collectives (`graft.train.sharded_source`). Rank 0's loop
+and the sync reads the rest through collectives (`graft.train.ranks`). Rank 0's loop
 (`graft.train.trainer`) calls `learn` and `maybe_checkpoint` and syncs through `source`; each of
 those announces its collective, and the other ranks, in `follow`, run the same calls in the same order.
 """
@@ -25,9 +25,10 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize
+from graft.train.dist import Dist, broadcast_batch, full_tensor
+from graft.train.parallelize import parallelize
+from graft.train.ranks import Op, ShardedSource, announce, follow
 from graft.train.rollout_batch import RolloutBatch
-from graft.train.sharded_source import Op, ShardedSource, announce, next_command, serve
 from graft.train.update import policy_update
 
 log = logging.getLogger(__name__)
@@ -140,18 +141,8 @@ class PolicyState:
 
     def follow(self) -> None:
         """Ranks > 0: join rank 0's collectives (updates, checkpoints, the sync's reads of the sharded
-        model), in the order it announces them, until it calls `release_followers`."""
-        assert self.ctx.active and not self.ctx.is_main
-        while True:
-            op, args = next_command()
-            if op is Op.STOP:
-                return
-            if op is Op.LEARN:
-                self.learn(None, args[0])
-            elif op is Op.CHECKPOINT:
-                self.maybe_checkpoint(args[0])
-            else:
-                serve(self.model, op, args)
+        model), in the order it announces them, until it calls `release_followers` (`graft.train.ranks`)."""
+        follow(self)
 
     def release_followers(self) -> None:
         """Rank 0, when its loop is done: the other ranks leave `follow`. Only called between

@@ -11,7 +11,7 @@ rollouts run ahead in `graft.train.staleness`; the sync in `graft.sync.policy_sy
 Rollouts come from a `RolloutProducer` that runs ahead of the trainer by at most
 `rollout.max_staleness` versions (0 = rollout and update alternate); the update runs in a worker
 thread so the engines keep generating meanwhile. Rank 0 owns the engines, the sync and the run
-directory; the other ranks take their slice of each batch (see `graft.train.distributed`).
+directory; the other ranks take their slice of each batch (see `graft.train.dist`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
 from graft.train.cpu_tuning import leave_a_core_to_local_vllm, return_freed_memory_to_the_os, returns_freed_memory
-from graft.train.distributed import init_distributed, shutdown_distributed
+from graft.train.dist import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
+from graft.train.parallelize import check_tensor_parallel, load_hf_config
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.staleness import RolloutProducer
-from graft.train.tensor_parallel import check_tensor_parallel, load_hf_config
 
 __all__ = ["ResumeError", "RunDirError", "train"]
 

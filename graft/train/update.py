@@ -32,7 +32,7 @@ from graft.rl.aggregations import get_aggregation
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
-from graft.train.distributed import Dist, clip_grad_norm
+from graft.train.dist import Dist, clip_grad_norm
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.step_plan import mini_batch_shuffle_seed

@@ -17,7 +17,7 @@ from graft.rollout.reference import ReferenceEngine
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.envs import ENVS
 from graft.tasks.examples import Example
-from graft.train.distributed import Dist, broadcast_batch
+from graft.train.dist import Dist, broadcast_batch
 from graft.train.episode_batch import build_episode_batch
 from graft.train.step_plan import episode_sampling_params
 from graft.train.trainer import train

@@ -12,11 +12,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from graft.config import load_config
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
-from graft.train.distributed import Dist, broadcast_batch, mixed_precision, parallelize
+from graft.train.dist import Dist, broadcast_batch
+from graft.train.parallelize import mixed_precision, parallelize
 from graft.train.update import policy_update
 from tests.helpers import randomize_lora
 from tests.spawn import spawn_ranks
-from tests.train.test_distributed import _batch
+from tests.train.test_parallelize import _batch
 
 WORLD = 2
 _OVERRIDES = ["train.kl_coef=0.05", "train.entropy_coef=0.01", "train.lr=1e-2", "train.tis_cap=2.0"]

@@ -6,7 +6,6 @@ load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one proces
 and real vLLM). Every collective runs under a short process-group timeout, so a hang (the seed's
 deadlocks) fails the test instead of stalling it."""
 
-import datetime
 import json
 from types import SimpleNamespace
 
@@ -15,24 +14,20 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from peft import PeftModel
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from graft.cli import main
 from graft.config import load_config
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, write_adapter_files
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
-from graft.train.distributed import Dist, clip_grad_norm, mesh_dist
+from graft.train.dist import Dist, mesh_dist
+from graft.train.parallelize import check_tensor_parallel
 from graft.train.policy import PolicyState
-from graft.train.tensor_parallel import check_tensor_parallel
 from tests.helpers import assert_adam_weights_close
 from tests.spawn import spawn_ranks
-from tests.train.test_distributed import _COMPARED, _batch, _graft_train, _updates, assert_like_one_process
+from tests.train.test_dist import init_gloo
 from tests.train.test_mixed_precision import _update_recording_dtypes
-
-# A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).
-_TIMEOUT = datetime.timedelta(seconds=120)
-
+from tests.train.test_parallelize import _COMPARED, _batch, _graft_train, _updates, assert_like_one_process
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +35,6 @@ def tp_model_dirs(tmp_path_factory) -> dict[str, object]:
     """arch -> a tiny fp32 model TP can split by 2: hidden 128 (4 heads, 2 KV heads, MLP 384), 2 layers."""
     root = tmp_path_factory.mktemp("tiny-tp")
     return {arch: build_tiny_model(root / arch, arch=arch, hidden=128, layers=2, seed=0) for arch in ("qwen2", "llama")}
-
-
-def init_gloo(rank: int, world: int, init_file) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=_TIMEOUT)
 
 
 def _rank_main(rank: int, world: int, tp: int, model_dir, out_dir, n_prompts, group, overrides) -> None:
@@ -192,35 +181,6 @@ def test_checkpoints_resume_across_meshes_and_published_adapters_load_in_peft(tp
                                _logits(model_dir, tmp_path / "one" / "out" / "adapter-5"), rtol=1e-5, atol=1e-5)
 
 
-# --- the grad norm on a rank without gradients ------------------------------------------------------------
-
-def _grad_norm_rank(rank: int, out_dir) -> None:
-    init_gloo(rank, 2, out_dir / "rendezvous")
-    try:
-        ctx = mesh_dist(1)
-        # One row sharded over 2 ranks: rank 1's shard is empty and gets no gradient at all.
-        param = torch.nn.Parameter(distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)]))
-        if rank == 0:
-            param.grad = distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)])
-        else:  # what the other rank's distribute_tensor above needs; then no gradient here
-            distribute_tensor(torch.tensor([[3.0, 4.0]]), ctx.mesh["dp"], [Shard(0)])
-        norm = clip_grad_norm([param], 1.0, ctx)
-        clipped = param.grad.to_local().norm().item() if param.grad is not None else None
-        (out_dir / f"rank{rank}.json").write_text(json.dumps({"norm": norm, "clipped": clipped}))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_grad_norm_joins_the_all_reduce_on_a_rank_without_gradients(tmp_path):
-    """The seed's hang: torch's clip_grad_norm_ returns early on a rank with no gradients, while the
-    others wait in the norm's all-reduce. Here rank 1 holds none, joins, contributes zero, and both
-    ranks get the whole norm (5) and clip alike, well within the process group's timeout."""
-    spawn_ranks(_grad_norm_rank, (tmp_path,), 2)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["norm"] for r in ranks] == pytest.approx([5.0, 5.0])
-    assert ranks[0]["clipped"] == pytest.approx(1.0, rel=1e-5) and ranks[1]["clipped"] is None
-
-
 # --- errors before any process group work -------------------------------------------------------------------
 
 def _hf_config(model_type="qwen2", heads=4, kv_heads=2, intermediate=384):
@@ -296,7 +256,7 @@ def test_graft_train_with_tp2_under_torchrun_matches_one_rank(tp_model_dirs, tmp
 @pytest.mark.vllm
 def test_graft_train_with_tp2_under_torchrun_matches_one_rank_on_vllm(tp_model_dirs, tmp_path):
     """The same against a real vLLM server (one, serving the TP-splittable model, for both runs)."""
-    from graft.rollout.vllm_launcher import VllmServer, VllmServerConfig
+    from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
     model_dir = tp_model_dirs["qwen2"]
     with VllmServer(VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=8,

@@ -1,12 +1,16 @@
-"""Tensor parallelism (`dist.tp`) of a PEFT LoRA model's decoder layers: the plans, the checks a run
-needs before any process group exists, and the one function `parallelize` calls.
+"""The one place a policy is parallelised: `parallelize` orders the steps, each step's code below it.
 
-Megatron's pairing per decoder layer: attention's q/k/v and the MLP's gate/up are split column-wise
-(each TP rank computes its share of the heads and of the MLP width), o/down row-wise (each rank
-multiplies its share of the inputs; one all-reduce sums the partial outputs). Two all-reduces per
-layer in the forward, two in the backward. Embeddings, norms and the LM head stay whole on every TP
-rank (FSDP2 shards them over dp): graft's head runs only at completion positions, a chunk at a time
-(`graft.rl.logprobs`), so a vocabulary-parallel head would save little and need a parallel loss.
+Tensor parallelism (`dist.tp`) of a PEFT LoRA model's decoder layers, activation checkpointing, then
+FSDP2 over the data-parallel ranks (torchtitan's order; see `parallelize`). `check_tensor_parallel`
+is the check a run needs before any process group exists.
+
+The tensor-parallel plan follows Megatron's pairing per decoder layer: attention's q/k/v and the
+MLP's gate/up are split column-wise (each TP rank computes its share of the heads and of the MLP
+width), o/down row-wise (each rank multiplies its share of the inputs; one all-reduce sums the
+partial outputs). Two all-reduces per layer in the forward, two in the backward. Embeddings, norms
+and the LM head stay whole on every TP rank (FSDP2 shards them over dp): graft's head runs only at
+completion positions, a chunk at a time (`graft.rl.logprobs`), so a vocabulary-parallel head would
+save little and need a parallel loss.
 
 LoRA: PEFT has already replaced each target by a `LoraLayer` holding `base_layer`, `lora_A` and
 `lora_B` (all `nn.Linear`), so the plan names those, not the target (parallelising only
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -35,6 +40,35 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from graft.config import ALL_LINEAR
 from graft.lora.attach import ADAPTER_NAME, lora_parameters
+from graft.models.loading import model_dtype
+from graft.train.dist import Dist, mesh_device
+
+
+def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool = False) -> nn.Module:
+    """Parallelise `model` on `ctx`'s mesh, in this order (torchtitan's):
+
+    1. tensor parallelism over the mesh's `tp` dimension (`dist.tp` > 1; `apply_tp`): first, because
+       its plan names the PEFT model's modules as they are (each LoRA layer's `base_layer`, `lora_A`,
+       `lora_B` are still `nn.Linear`) and turns their weights into tp-sharded DTensors, which FSDP2
+       then shards further over dp;
+    2. activation checkpointing per decoder layer (`apply_ac`): each layer keeps only its input for
+       the backward and recomputes the rest (its TP collectives included); before FSDP2, so each
+       sharded unit is a checkpointed layer;
+    3. compile — not used (an `apply_compile` would go here, before FSDP2, as in torchtitan);
+    4. FSDP2 over the mesh's `dp` dimension (`apply_fsdp`): each decoder layer one unit, the rest the
+       root (one data-parallel rank: nothing to shard), with the mixed-precision policy of the base's
+       dtype (`mixed_precision`). Its parameters become 2-D DTensors (dp, tp); gradients are reduced
+       over dp by FSDP2 and over tp by the DTensors' own backward, in the order every rank runs them.
+    """
+    if ctx.tp > 1:  # 1.
+        apply_tp(model, ctx.mesh["tp"])
+    if activation_checkpointing:  # 2.
+        apply_ac(model)
+    # 3. compile: graft does not compile; `apply_compile(model)` would stand here.
+    return apply_fsdp(model, ctx)  # 4.
+
+
+# --- 1. tensor parallelism ------------------------------------------------------------------------------
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -98,7 +132,7 @@ def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str
                              f"lora.target_modules may name only {', '.join(sorted(planned))} (or all-linear)")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+def apply_tp(model: nn.Module, tp_mesh) -> None:
     """Split every planned projection of `model` (a PEFT LoRA model of a planned architecture) over
     `tp_mesh`, LoRA factors with it (see the module docstring). Module and parameter names do not
     change (checkpoints and published adapters keep PEFT's names).
@@ -159,3 +193,74 @@ class Rowwise(RowwiseParallel):
         if outputs.placements != output_layouts:  # partial sums -> replicated: the all-reduce
             outputs = outputs.redistribute(placements=output_layouts, async_op=False)
         return outputs.to_local() if use_local_output else outputs
+
+
+# --- 2. activation checkpointing --------------------------------------------------------------------------
+
+def apply_ac(model: nn.Module) -> None:
+    """Checkpoint each decoder layer: HF's per-layer hook keeps module and parameter names unchanged
+    (PEFT keys, checkpoints); non-reentrant, so LoRA weights inside a layer get gradients although its
+    input needs none."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# --- 4. FSDP2 ---------------------------------------------------------------------------------------------
+
+def mixed_precision(model: nn.Module):
+    """FSDP2's `MixedPrecisionPolicy` for `model`: None (full fp32) when the base is fp32; with a
+    bf16/fp16 base (`model.dtype`), compute in that dtype and reduce gradients in fp32.
+
+    The stored weights keep their own dtypes: the frozen base in bf16 (half the memory of fp32), the
+    LoRA factors in fp32 (PEFT upcasts adapters on a half-precision base), so their gradients
+    (reduce-scattered in fp32 into fp32 shards) and AdamW's state are fp32: an update smaller than
+    bf16's resolution of a weight is not lost. Each forward all-gathers the LoRA factors cast to the
+    base's dtype: every matmul runs in bf16 and no fp32 copy of a layer's input is saved for the
+    backward (one process, without FSDP2, PEFT computes the LoRA path in fp32 instead).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = model_dtype(model)
+    if dtype == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, ctx: Dist) -> nn.Module:
+    """FSDP2 over the data-parallel ranks: each decoder layer is one unit, the rest the root.
+    Gradients are summed over ranks, not averaged: the loss of each rank's slice is already divided
+    by the whole batch's divisor."""
+    if ctx.dp_size == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = ctx.mesh["dp"] if ctx.mesh is not None else init_device_mesh(mesh_device(), (ctx.world_size,))
+    policy = mixed_precision(model) or MixedPrecisionPolicy()
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # neither setter is recursive: every unit
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    # FSDP2 fixes each unit's trainable parameters, and with them the dtype its gradients are cast
+    # to, at the first forward. That must not be a reference forward: PEFT's disable_adapter turns
+    # the LoRA factors' requires_grad off, and bf16 gradients then reached the fp32 LoRA shards
+    # (a RuntimeError at the first backward). One token, adapter on, on every rank, now.
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ctx.device), use_cache=False)
+    reshard(model)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters FSDP2 still holds after a forward without a backward: the root
+    unit keeps its own (embeddings, head) after each forward, expecting the backward, so after an
+    initialising, probe or verification forward every rank would hold them whole until the next step.
+    A no-op on a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
-from graft.train.distributed import Dist, broadcast_batch, full_tensor, parallelize
+from graft.train.dist import Dist, broadcast_batch, full_tensor
+from graft.train.parallelize import parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model

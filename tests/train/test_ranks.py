@@ -1,11 +1,12 @@
-"""An FSDP2 run's rank 0 publishes and verifies without a copy of the model: on 2 CPU ranks (gloo) the
-published adapter files and merged weights are a one-process run's byte for byte, delivery
-verification measures the same gap on the sharded model, and rank 0 holds its shard and the LoRA
-tensors, never a whole model."""
+"""An FSDP2 run's rank 0 publishes and verifies without a copy of the model (`ShardedSource`, the other
+rank following its announced collectives): on 2 CPU ranks (gloo) the published adapter files and
+merged weights are a one-process run's byte for byte, delivery verification measures the same gap on
+the sharded model, and rank 0 holds its shard and the LoRA tensors, never a whole model."""
 
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
@@ -19,9 +20,10 @@ from graft.rollout.reference import ReferenceEngine
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import policy_source
 from graft.sync.verify import verify_delivery
-from graft.train.distributed import Dist, full_tensor, shard_model
+from graft.train.dist import Dist, full_tensor
+from graft.train.parallelize import apply_fsdp
 from graft.train.policy import PolicyState
-from graft.train.sharded_source import Op, ShardedSource, announce, next_command, serve
+from graft.train.ranks import Op, ShardedSource, announce, follow
 from tests.helpers import trained_like_peft_model
 from tests.spawn import spawn_ranks
 
@@ -89,14 +91,13 @@ def _rank_main(rank: int, model_dir, out_dir: Path, init_file) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     ctx = Dist(rank, WORLD)
     try:
-        model = shard_model(trained_like_peft_model(model_dir), ctx)
+        model = apply_fsdp(trained_like_peft_model(model_dir), ctx)
         lora = {name: full_tensor(p.detach()) for name, p in lora_parameters(model).items()}  # as after a step
         if rank == 0:
             rows = asyncio.run(_publish_and_verify(ShardedSource(model, lora), model_dir, out_dir))
             announce(Op.STOP)
-        else:
-            while (command := next_command())[0] is not Op.STOP:
-                serve(model, *command)
+        else:  # the sync's reads only: no policy to learn or checkpoint with
+            follow(SimpleNamespace(ctx=ctx, model=model))
         sizes = _policy_state_bytes(model_dir, out_dir / f"run-{rank}", ctx)
         if rank == 0:
             (out_dir / "rows.json").write_text(json.dumps({**rows, "sizes": sizes}))

@@ -1,12 +1,13 @@
-"""Distributed plumbing for the trainer: process group, FSDP2 sharding, batch broadcast, gather/scatter.
+"""Where this process stands in a run and what ranks exchange: the process group, the (dp, tp) mesh,
+and the collectives (batch broadcast, gathers, the gradient norm).
 
 `torchrun --nproc-per-node N graft train CONFIG` starts N ranks on a 2-D mesh (dp, tp): `dist.tp`
 ranks share each decoder layer (tensor parallel) and see the same rows; the N / tp data-parallel
 groups split each batch's rows. Rank 0 alone talks to the engines (rollouts, sync, verification)
-and writes the run directory; every rank holds a shard of the model. Nothing here knows about
-losses or LoRA math; the trainer calls these collectives in the same order on every rank. Without
-torchrun (`WORLD_SIZE` unset) everything is a no-op on one process. Batches travel as tensors, never
-pickled.
+and writes the run directory; every rank holds a shard of the model (`graft.train.parallelize`).
+Nothing here knows about losses or LoRA math; the trainer calls these collectives in the same order
+on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a no-op on one process. Batches
+travel as tensors, never pickled.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from graft.models.loading import model_dtype
 from graft.train.rollout_batch import RolloutBatch
 
 # Rank 0 may wait for a slow rollout or sync while the others block in a collective.
@@ -33,7 +32,7 @@ class Dist:
     """This process's place in the run: `rank` of `world_size`, on the (dp, tp) `mesh` (row-major:
     rank = dp_rank * tp + tp_rank, so the ranks of one TP group are neighbours, e.g. one node's GPUs).
 
-    `mesh` is None on one process, and may be on a pure data-parallel run (`tp` 1: `shard_model`
+    `mesh` is None on one process, and may be on a pure data-parallel run (`tp` 1: `apply_fsdp`
     then builds a 1-D one); `mesh_dist` builds it.
     """
 
@@ -148,92 +147,18 @@ def mesh_dist(tp: int = 1) -> Dist:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_world_size(world_size, tp)
-    mesh = init_device_mesh(_mesh_device(), (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(mesh_device(), (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     return Dist(rank, world_size, tp, mesh)
 
 
-def _mesh_device() -> str:
+def mesh_device() -> str:
+    """The device type of this process group's meshes: NCCL's GPUs or gloo's CPU."""
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def shutdown_distributed(ctx: Dist) -> None:
     if ctx.active and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool = False) -> nn.Module:
-    """The one place a model is parallelised, in this order (torchtitan's):
-
-    1. tensor parallelism over the mesh's `tp` dimension (`dist.tp` > 1;
-       `graft.train.tensor_parallel`): first, because its plan names the PEFT model's modules as
-       they are (each LoRA layer's `base_layer`, `lora_A`, `lora_B` are still `nn.Linear`) and turns
-       their weights into tp-sharded DTensors, which FSDP2 then shards further over dp;
-    2. activation checkpointing per decoder layer: each layer keeps only its input for the backward
-       and recomputes the rest (its TP collectives included); before FSDP2, so each sharded unit is
-       a checkpointed layer;
-    3. compile — not used;
-    4. FSDP2 over the mesh's `dp` dimension: each decoder layer one unit, the rest the root (one
-       data-parallel rank: nothing to shard), with the mixed-precision policy of the base's dtype
-       (`mixed_precision`). Its parameters become 2-D DTensors (dp, tp); gradients are reduced over
-       dp by FSDP2 and over tp by the DTensors' own backward, in the order every rank runs them.
-    """
-    if ctx.tp > 1:
-        from graft.train.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, ctx.mesh["tp"])
-    if activation_checkpointing:
-        # HF's per-layer hook keeps module and parameter names unchanged (PEFT keys, checkpoints);
-        # non-reentrant, so LoRA weights inside a layer get gradients although its input needs none.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return shard_model(model, ctx)
-
-
-def mixed_precision(model: nn.Module):
-    """FSDP2's `MixedPrecisionPolicy` for `model`: None (full fp32) when the base is fp32; with a
-    bf16/fp16 base (`model.dtype`), compute in that dtype and reduce gradients in fp32.
-
-    The stored weights keep their own dtypes: the frozen base in bf16 (half the memory of fp32), the
-    LoRA factors in fp32 (PEFT upcasts adapters on a half-precision base), so their gradients
-    (reduce-scattered in fp32 into fp32 shards) and AdamW's state are fp32: an update smaller than
-    bf16's resolution of a weight is not lost. Each forward all-gathers the LoRA factors cast to the
-    base's dtype: every matmul runs in bf16 and no fp32 copy of a layer's input is saved for the
-    backward (one process, without FSDP2, PEFT computes the LoRA path in fp32 instead).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = model_dtype(model)
-    if dtype == torch.float32:
-        return None
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def shard_model(model: nn.Module, ctx: Dist) -> nn.Module:
-    """FSDP2 over the data-parallel ranks: each decoder layer is one unit, the rest the root.
-    Gradients are summed over ranks, not averaged: the loss of each rank's slice is already divided
-    by the whole batch's divisor."""
-    if ctx.dp_size == 1:
-        return model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    mesh = ctx.mesh["dp"] if ctx.mesh is not None else init_device_mesh(_mesh_device(), (ctx.world_size,))
-    policy = mixed_precision(model) or MixedPrecisionPolicy()
-    for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # neither setter is recursive: every unit
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    # FSDP2 fixes each unit's trainable parameters, and with them the dtype its gradients are cast
-    # to, at the first forward. That must not be a reference forward: PEFT's disable_adapter turns
-    # the LoRA factors' requires_grad off, and bf16 gradients then reached the fp32 LoRA shards
-    # (a RuntimeError at the first backward). One token, adapter on, on every rank, now.
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ctx.device), use_cache=False)
-    reshard(model)
-    return model
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, ctx: Dist) -> float:
@@ -360,15 +285,3 @@ def broadcast_ints(values: list[int] | None, n: int) -> list[int]:
     tensor = torch.tensor(list(values), dtype=torch.long) if values is not None else torch.zeros(n, dtype=torch.long)
     assert tensor.numel() == n, (tensor.numel(), n)
     return _broadcast(tensor).tolist()
-
-
-def reshard(model: nn.Module) -> None:
-    """Free the unsharded parameters FSDP2 still holds after a forward without a backward: the root
-    unit keeps its own (embeddings, head) after each forward, expecting the backward, so after an
-    initialising, probe or verification forward every rank would hold them whole until the next step.
-    A no-op on a model that is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

@@ -1,8 +1,15 @@
-"""An FSDP2 run's side of the sync: rank 0 reads the sharded policy, the other ranks join each read.
+"""The rank protocol of a sharded run: rank 0 drives, the other ranks follow its announced collectives.
 
 No rank holds the model whole. Rank 0 keeps its shard and the LoRA tensors gathered after each step
-(megabytes); that is all adapter publishing needs. The reads that need base weights are collectives
-over the sharded model, and every rank runs them:
+(megabytes); that is all adapter publishing needs. Every collective outside the update's own is
+announced by one small broadcast (`Op` and its integer arguments), and the followers (`follow`) run
+the same function as rank 0 on their shard. The order of collectives is therefore the same on every
+rank by construction, whatever rank 0's control flow decides (verification on or off, a pool that
+dropped a member verifies on fewer engines, a refused version stops before publishing).
+
+What rank 0 announces: the policy's updates and checkpoints (`graft.train.policy.PolicyState`), and
+the sync's reads of the sharded model (`ShardedSource`), which need base weights and so are
+collectives every rank runs:
 
 - merged publishing streams module by module: every rank gathers each module's base weight (and its
   LoRA factors) whole with `full_tensor`, rank 0 merges it (graft's fp32 zero-drift merge, the
@@ -11,18 +18,13 @@ over the sharded model, and every rank runs them:
   broadcasts the tokens (the probe; the engine's greedy completion of it, known only after the sync),
   every rank runs the forward, rank 0 compares. Verification thus still checks the policy just
   published, after every sync and before any rollout uses it, on the model the next step trains.
-
-Rank 0 drives; the others wait in `PolicyState.follow` for its commands. Every collective outside
-the update's own is announced by one small broadcast (`Op` and its integer arguments), and the
-followers run the same function as rank 0 on their shard. The order of collectives is therefore the
-same on every rank by construction, whatever rank 0's control flow decides (verification on or off,
-a pool that dropped a member verifies on fewer engines, a refused version stops before publishing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,7 +34,9 @@ from graft.lora.merge import iter_merged_weights, run_merge_gathers
 from graft.models.loading import model_dtype
 from graft.rl.logprobs import sequence_logprobs
 from graft.sync.source import probe_logits_finite
-from graft.train.distributed import broadcast_ints, full_tensor, reshard
+from graft.train.dist import Dist, broadcast_ints, full_tensor
+from graft.train.parallelize import reshard
+from graft.train.rollout_batch import RolloutBatch
 
 # Merged weights travel in one of these (its index is the command's argument).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -59,6 +63,59 @@ def next_command() -> tuple[Op, list[int]]:
     """Ranks > 0: wait for rank 0's next command."""
     op, *args = broadcast_ints(None, 1 + _ARGS)
     return Op(op), args
+
+
+class Follower(Protocol):
+    """What a rank > 0 follows with: its rank, its shard of the model, and the policy's collectives
+    (`graft.train.policy.PolicyState`)."""
+
+    ctx: Dist
+    model: nn.Module
+
+    def learn(self, batch: RolloutBatch | None, step: int) -> dict: ...
+
+    def maybe_checkpoint(self, step: int) -> None: ...
+
+
+def follow(follower: Follower) -> None:
+    """Ranks > 0: join rank 0's collectives (updates, checkpoints, the sync's reads of the sharded
+    model), in the order it announces them, until it announces `Op.STOP`."""
+    assert follower.ctx.active and not follower.ctx.is_main
+    while True:
+        op, args = next_command()
+        if op is Op.STOP:
+            return
+        _FOLLOWERS[op](follower, args)
+
+
+def _follow_learn(follower: Follower, args: list[int]) -> None:
+    follower.learn(None, args[0])
+
+
+def _follow_checkpoint(follower: Follower, args: list[int]) -> None:
+    follower.maybe_checkpoint(args[0])
+
+
+def _follow_merged(follower: Follower, args: list[int]) -> None:
+    run_merge_gathers(follower.model, _DTYPES[args[0]], full_tensor)
+
+
+def _follow_logprobs(follower: Follower, args: list[int]) -> None:
+    _logprobs(follower.model, None, args[0], args[1])
+
+
+def _follow_probe(follower: Follower, args: list[int]) -> None:
+    _probe(follower.model, None, args[0])
+
+
+# What a rank > 0 runs for each announced collective (its results are rank 0's).
+_FOLLOWERS: dict[Op, Callable[[Follower, list[int]], None]] = {
+    Op.LEARN: _follow_learn,
+    Op.CHECKPOINT: _follow_checkpoint,
+    Op.MERGED: _follow_merged,
+    Op.LOGPROBS: _follow_logprobs,
+    Op.PROBE: _follow_probe,
+}
 
 
 class ShardedSource:
@@ -109,15 +166,3 @@ def _probe(model: nn.Module, probe: list[int] | None, n: int) -> bool:
     finite = probe_logits_finite(model, broadcast_ints(probe, n))
     reshard(model)  # no backward follows: drop the root unit's whole weights now
     return finite
-
-
-def serve(model: nn.Module, op: Op, args: list[int]) -> None:
-    """Ranks > 0: join the sync collective `op` that rank 0 announced (its results are rank 0's)."""
-    if op is Op.MERGED:
-        run_merge_gathers(model, _DTYPES[args[0]], full_tensor)
-    elif op is Op.LOGPROBS:
-        _logprobs(model, None, args[0], args[1])
-    elif op is Op.PROBE:
-        _probe(model, None, args[0])
-    else:
-        raise ValueError(f"not a sync collective: {op!r}")
