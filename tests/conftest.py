@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from graft.models.tiny import build_tiny_model  # noqa: E402
 from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig, sglang_missing  # noqa: E402
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig  # noqa: E402
-from tests.helpers import live_group_members  # noqa: E402
+from tests.helpers import kernel_stub_calls, live_group_members  # noqa: E402
 
 ARCHS = ("qwen2", "llama")
 
@@ -61,5 +61,5 @@ def sglang_server(base_dir, tmp_path_factory):
         pgid = server.pid
         print(f"\nSGLang server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
         yield server
-        assert server.kernel_stub_calls() == [], "SGLang called a CPU kernel graft's stand-in does not have"
+        assert kernel_stub_calls(server) == [], "SGLang called a CPU kernel graft's stand-in does not have"
     assert live_group_members(pgid) == [], "SGLang processes survived SglangServer.stop()"

@@ -2,12 +2,18 @@
 
 import asyncio
 import gc
+import json
+import os
 import subprocess
+from pathlib import Path
 
 import torch
+from torch import Tensor
 
+from graft.lora.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
+from graft.rl.packing import Packed
 from graft.rollout.engine import EngineUnavailableError
 
 
@@ -102,3 +108,53 @@ def unretrieved_task_errors(outer_coro_of) -> list[str]:
 
     asyncio.run(run())
     return reports
+
+
+def is_peft_adapter(path: str | os.PathLike) -> bool:
+    """True when `path` holds a PEFT LoRA adapter graft can load (config says LORA, safetensors present)."""
+    path = Path(path)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("peft_type") == "LORA" and (path / ADAPTER_WEIGHTS).is_file()
+
+
+def unpack_completion_logprobs(values_N: Tensor, packed: Packed) -> list[Tensor]:
+    """Each sequence's completion-token values, in order, from per-position values of a packed row.
+
+    Args:
+        values_N: ``[N]`` or ``[1, N]`` per-position values (log-probs of the next token, entropy...).
+        packed: The layout the values were computed on.
+
+    Returns:
+        One tensor per sequence, of its completion length.
+    """
+    values_N = values_N.reshape(-1)
+    assert values_N.numel() == packed.input_ids_N.numel(), "values do not match the packed layout"
+    return list(values_N[packed.completion_mask_N].split(packed.completion_lens))
+
+
+def padded_completion_logprobs(values_BT: Tensor, completion_mask_BT: Tensor) -> list[Tensor]:
+    """Each row's completion-token values, in order, from per-position values of a padded batch."""
+    assert values_BT.shape == completion_mask_BT.shape, "values do not match the padded layout"
+    return [row_T[mask_T] for row_T, mask_T in zip(values_BT, completion_mask_BT)]
+
+
+def in_flight(pool) -> dict[str, int]:
+    """Requests in flight per engine address of an `EnginePool` (dropped members included), now."""
+    return dict(zip(pool.addresses, pool._in_flight))
+
+
+# What the `sgl_kernel` stand-in (graft/rollout/sglang/server/sgl_kernel) writes to the log when a kernel is called.
+KERNEL_STUB_MARKER = "GRAFT_SGL_KERNEL_STUB_CALLED"
+
+
+def kernel_stub_calls(server) -> list[str]:
+    """Kernel names the `sgl_kernel` stand-in was asked to run (from the SGLang server's log): empty
+    while SGLang stayed on its torch-native paths, as it must on a CPU without AMX."""
+    try:
+        with open(server.log_path, errors="replace") as f:
+            return [line.split(KERNEL_STUB_MARKER, 1)[1].strip() for line in f if KERNEL_STUB_MARKER in line]
+    except (OSError, TypeError):
+        return []

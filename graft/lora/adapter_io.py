@@ -68,16 +68,6 @@ def peft_key(param_name: str) -> str:
     return param_name.replace(f".{ADAPTER_NAME}.", ".")
 
 
-def is_peft_adapter(path: str | os.PathLike) -> bool:
-    """True when `path` holds a PEFT LoRA adapter graft can load (config says LORA, safetensors present)."""
-    path = Path(path)
-    try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("peft_type") == "LORA" and (path / ADAPTER_WEIGHTS).is_file()
-
-
 def _check_lora_model(model: nn.Module) -> None:
     """Refuse, before any collective, a model graft cannot read or write as a PEFT LoRA adapter.
 

@@ -156,21 +156,6 @@ def pack_rows(sequences: list[Sequence], row_tokens: int, pad_id: int) -> Packed
     return PackedRows(torch.stack(ids), torch.stack(positions), torch.stack(masks), [i for row in rows for i in row])
 
 
-def unpack_completion_logprobs(values_N: Tensor, packed: Packed) -> list[Tensor]:
-    """Each sequence's completion-token values, in order, from per-position values of a packed row.
-
-    Args:
-        values_N: ``[N]`` or ``[1, N]`` per-position values (log-probs of the next token, entropy...).
-        packed: The layout the values were computed on.
-
-    Returns:
-        One tensor per sequence, of its completion length.
-    """
-    values_N = values_N.reshape(-1)
-    assert values_N.numel() == packed.input_ids_N.numel(), "values do not match the packed layout"
-    return list(values_N[packed.completion_mask_N].split(packed.completion_lens))
-
-
 def block_diagonal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
     """Additive causal mask ``[1, 1, N, N]`` that keeps each packed sequence to itself.
 
@@ -216,12 +201,6 @@ def pad(sequences: list[Sequence], side: str, pad_id: int) -> tuple[Tensor, Tens
 def position_ids_from_mask(attention_mask_BT: Tensor) -> Tensor:
     """``position_ids_BT``: 0, 1, ... over each row's real tokens (padding gets 0)."""
     return (attention_mask_BT.long().cumsum(dim=-1) - 1).clamp(min=0)
-
-
-def padded_completion_logprobs(values_BT: Tensor, completion_mask_BT: Tensor) -> list[Tensor]:
-    """Each row's completion-token values, in order, from per-position values of a padded batch."""
-    assert values_BT.shape == completion_mask_BT.shape, "values do not match the padded layout"
-    return [row_T[mask_T] for row_T, mask_T in zip(values_BT, completion_mask_BT)]
 
 
 def completion_rows_mask(completion_lens: list[int], device: torch.device | None = None) -> Tensor:

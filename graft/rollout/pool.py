@@ -122,11 +122,6 @@ class EnginePool:
         """How many members serve the run now (the `engines_live` metric)."""
         return len(self._live())
 
-    @property
-    def in_flight(self) -> dict[str, int]:
-        """Requests in flight per engine address (dropped members included), now."""
-        return dict(zip(self.addresses, self._in_flight))
-
     # -- generation -----------------------------------------------------------------------------
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:

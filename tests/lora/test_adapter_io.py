@@ -10,14 +10,13 @@ from graft.lora.adapter_io import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterError,
-    is_peft_adapter,
     load_adapter,
     load_adapter_weights,
     save_adapter,
 )
 from graft.lora.attach import attach_lora, lora_modules, lora_parameters
 from graft.models.loading import load_model
-from tests.helpers import trained_like_peft_model
+from tests.helpers import is_peft_adapter, trained_like_peft_model
 
 
 def _logits(model, input_ids):

@@ -20,10 +20,9 @@ from graft.rl.packing import (
     pack_rows,
     pack_shared_prompts,
     pad,
-    padded_completion_logprobs,
     position_ids_from_mask,
-    unpack_completion_logprobs,
 )
+from tests.helpers import padded_completion_logprobs, unpack_completion_logprobs
 
 
 def token_logprobs(logits_xV, tokens_x):

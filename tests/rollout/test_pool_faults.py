@@ -27,7 +27,7 @@ from graft.rollout.factory import open_engine
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.train import trainer
-from tests.helpers import trained_like_peft_model
+from tests.helpers import in_flight, trained_like_peft_model
 
 pytestmark = pytest.mark.vllm
 
@@ -85,13 +85,13 @@ def test_a_frozen_member_is_dropped_within_the_health_timeout(pair, base_dir, tm
     async def during_generation():
         async with open_engine(config, tmp_path) as pool:
             task = asyncio.ensure_future(pool.generate(long))
-            while pool.in_flight[frozen.url] == 0:
+            while in_flight(pool)[frozen.url] == 0:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.3)  # the requests reach the server
             with _frozen(frozen) as frozen_at:
-                in_flight = pool.in_flight[frozen.url]
+                frozen_in_flight = in_flight(pool)[frozen.url]
                 out = await task
-            return frozen_at, in_flight, out, pool.dropped, pool.engines_live
+            return frozen_at, frozen_in_flight, out, pool.dropped, pool.engines_live
 
     async def during_broadcast():
         async with open_engine(config, tmp_path) as pool:
@@ -103,9 +103,9 @@ def test_a_frozen_member_is_dropped_within_the_health_timeout(pair, base_dir, tm
             return seconds, out, pool.dropped
 
     with caplog.at_level(logging.WARNING, logger="graft.rollout.pool"):
-        frozen_at, in_flight, out, dropped, engines_live = asyncio.run(during_generation())
+        frozen_at, frozen_in_flight, out, dropped, engines_live = asyncio.run(during_generation())
         (drop,) = _drops(caplog)
-        assert in_flight > 0 and engines_live == 1 and list(dropped) == [frozen.url]
+        assert frozen_in_flight > 0 and engines_live == 1 and list(dropped) == [frozen.url]
         assert [len(c) for c in out] == [4] * 12 and all(len(s.token_ids) == 400 for c in out for s in c)
         # Noticed: one probe interval without an answer, then a health call that times out.
         assert drop.created - frozen_at <= 2 * CONTROL_S + SLACK_S
@@ -157,7 +157,7 @@ def test_training_goes_on_when_a_server_is_killed_mid_generation(pair, base_dir,
         if len(seen) != 2:
             return await real_build(engine, **kwargs)
         task = asyncio.ensure_future(real_build(engine, **kwargs))
-        while engine.in_flight[victim.url] == 0:
+        while in_flight(engine)[victim.url] == 0:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
         os.killpg(victim.pid, signal.SIGKILL)

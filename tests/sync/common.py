@@ -3,7 +3,6 @@ greedy probe of the tests against the real vLLM server."""
 
 import asyncio
 
-from graft.lora.adapter_io import is_peft_adapter
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
     Completion,
@@ -16,6 +15,7 @@ from graft.rollout.engine import (
 from graft.sync.adapter import AdapterSync, adapter_name, adapter_version
 from graft.sync.inflight import InFlightVersions
 from graft.sync.publish import WeightPublisher
+from tests.helpers import is_peft_adapter
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 PROMPTS = [(5, 17, 200, 33, 9), tuple(range(10, 50))]  # the second spans several KV blocks

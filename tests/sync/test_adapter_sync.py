@@ -13,11 +13,10 @@ import random
 
 import pytest
 
-from graft.lora.adapter_io import is_peft_adapter
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.adapter import adapter_name, adapter_version
-from tests.helpers import randomize_lora
+from tests.helpers import is_peft_adapter, randomize_lora
 from tests.sync.common import RecordingEngine, make_sync, names, run
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)

@@ -28,8 +28,6 @@ VENV_ENV = "GRAFT_SGLANG_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "graft" / "sglang-venv"
 # The linear layers of the Qwen2 / Llama decoder graft's adapters target.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# What the `sgl_kernel` stand-in (server/sgl_kernel) writes to the log when a kernel is called.
-KERNEL_STUB_MARKER = "GRAFT_SGL_KERNEL_STUB_CALLED"
 
 
 def sglang_python(venv: str | os.PathLike | None = None) -> Path:
@@ -123,14 +121,4 @@ class SglangServer(ServerProcess):
     def served_dtype(self) -> str | None:
         """The dtype asked for; SGLang serves it as given (no log parsing needed)."""
         return self.config.dtype
-
-    def kernel_stub_calls(self) -> list[str]:
-        """Kernel names the `sgl_kernel` stand-in was asked to run (from the log): empty while
-        SGLang stayed on its torch-native paths, as it must on a CPU without AMX."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return [line.split(KERNEL_STUB_MARKER, 1)[1].strip() for line in f
-                        if KERNEL_STUB_MARKER in line]
-        except (OSError, TypeError):
-            return []
 

@@ -15,13 +15,12 @@ import pytest
 from graft.rollout.launcher import OWNER_ENV, free_port
 from graft.rollout.sglang.launcher import (
     CPU_FIXES_DIR,
-    KERNEL_STUB_MARKER,
     SglangServer,
     SglangServerConfig,
     sglang_missing,
     sglang_python,
 )
-from tests.helpers import live_group_members
+from tests.helpers import KERNEL_STUB_MARKER, kernel_stub_calls, live_group_members
 
 
 def test_command_uses_sglangs_venv_and_the_torch_native_cpu_backends(tmp_path):
@@ -66,9 +65,9 @@ def test_a_missing_venv_is_one_clear_error_before_anything_starts(tmp_path, monk
 def test_kernel_stub_calls_are_read_from_the_log(tmp_path):
     server = SglangServer(SglangServerConfig(model="/m"))
     server.log_path = tmp_path / "sglang-1.log"
-    assert server.kernel_stub_calls() == []
+    assert kernel_stub_calls(server) == []
     server.log_path.write_text(f"ok\n{KERNEL_STUB_MARKER} rmsnorm_cpu\nmore\n")
-    assert server.kernel_stub_calls() == ["rmsnorm_cpu"]
+    assert kernel_stub_calls(server) == ["rmsnorm_cpu"]
 
 
 def test_the_kernel_stand_in_fails_loudly_and_has_no_submodules(tmp_path):
