@@ -5,7 +5,7 @@ an unmerge, a name mismatch between the load side and the request side — all s
 between the engine's log-probs and the trainer's on the same tokens. So after each sync: the
 expected adapter must be listed (adapter mode), then the engine answers a fixed probe prompt
 greedily and the trainer teacher-forces the engine's tokens; the largest per-token log-prob gap is
-`logprob_abs_diff_max`. Above the tolerance the sync fails (or warns, if so configured).
+the step's `sync_logprob_abs_diff_max`. Above the tolerance the sync fails (or warns, if so configured).
 """
 
 from __future__ import annotations
