@@ -26,7 +26,7 @@ from graft.rollout.engine import BadRequestError, GenerateRequest, SamplingParam
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
-from graft.train import trainer
+from graft.train import batch_maker, trainer
 from tests.helpers import in_flight, trained_like_peft_model
 
 pytestmark = pytest.mark.vllm
@@ -149,7 +149,7 @@ def test_a_server_that_requires_an_api_key_is_usable_through_the_config(pair, ba
 def test_training_goes_on_when_a_server_is_killed_mid_generation(pair, base_dir, tmp_path, monkeypatch, caplog):
     survivor, victim = pair
     monkeypatch.setenv("VLLM_API_KEY", KEY)
-    real_build = trainer.build_rollout_batch
+    real_build = batch_maker.build_rollout_batch
     seen = []
 
     async def build_and_kill_at_step_2(engine, **kwargs):
@@ -163,7 +163,7 @@ def test_training_goes_on_when_a_server_is_killed_mid_generation(pair, base_dir,
         os.killpg(victim.pid, signal.SIGKILL)
         return await task
 
-    monkeypatch.setattr(trainer, "build_rollout_batch", build_and_kill_at_step_2)
+    monkeypatch.setattr(batch_maker, "build_rollout_batch", build_and_kill_at_step_2)
     config = _config(base_dir, [survivor.url, victim.url], "train.steps=3", "train.batch_prompts=4",
                      "rollout.n_samples=4", "rollout.max_new_tokens=64", "lora.rank=8", "rollout.max_lora_rank=8",
                      "train.eval_examples=4")
