@@ -1,6 +1,6 @@
 """The RL objective's variants in `train`: ratio level, clipping, KL estimator and placement, mismatch
 correction, advantage baseline, DAPO's sampling filters and overlong shaping. Each name is a
-registered variant in `graft.rl` (README's objective table says what each does and which TRL/verl
+registered variant in `graft.rl` (docs/objective.md says what each does and which TRL/verl
 setting it corresponds to). The defaults are plain GRPO: none of these keys changes a run that
 leaves them out.
 
