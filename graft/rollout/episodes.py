@@ -19,7 +19,7 @@ Limits: `EpisodeLimits.max_turns` model turns, `max_tokens` tokens in all (promp
 turn may generate `min(params.max_new_tokens, what is left)`). An episode the environment has not
 ended when a limit stops it is `truncated`.
 
-Shape suffixes: `_E` episodes.
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ prompts and seeds of round k are a pure function of (seed, step, k) (`graft.trai
 resumed run samples what the uninterrupted one did. Filtered on the task reward, before shaping
 (verl's `filter_groups.metric` acc/score).
 
-Shape suffixes: `_P` prompts, `_G` samples of one prompt.
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations

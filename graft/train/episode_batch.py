@@ -8,7 +8,7 @@ seed `episode_sampling_params(...).seed + e * max_turns + t` (`graft.train.step_
 function of (seed, step, episode, turn), so sampling is independent across episodes and turns, and
 a resumed run samples what the uninterrupted one did.
 
-Shape suffixes: `_P` prompts, `_G` episodes of one prompt (the GRPO group), `_E` episodes.
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `build_rollout_batch` samples and scores the prompts of a step (which prompts and seeds:
 `graft.train.step_plan`); `with_overlong_penalty` shapes the rewards.
 
-Shape suffixes: `_P` prompts, `_G` samples of one prompt (the GRPO group).
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations
