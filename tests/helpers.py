@@ -158,3 +158,21 @@ def kernel_stub_calls(server) -> list[str]:
             return [line.split(KERNEL_STUB_MARKER, 1)[1].strip() for line in f if KERNEL_STUB_MARKER in line]
     except (OSError, TypeError):
         return []
+
+
+def block_diagonal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive causal mask ``[1, 1, N, N]`` that keeps each packed sequence to itself.
+
+    0 where query ``i`` may attend key ``j`` (same sequence, ``j <= i``), ``finfo(dtype).min``
+    elsewhere — the 4-D mask HF models take as ``attention_mask`` for a packed row.
+    """
+    seq_id_N = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    n = seq_id_N.numel()
+    allowed_NN = (seq_id_N[:, None] == seq_id_N[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    mask_NN = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed_NN, torch.finfo(dtype).min)
+    return mask_NN[None, None]
+
+
+def position_ids_from_mask(attention_mask_BT: Tensor) -> Tensor:
+    """``position_ids_BT``: 0, 1, ... over each row's real tokens (padding gets 0)."""
+    return (attention_mask_BT.long().cumsum(dim=-1) - 1).clamp(min=0)

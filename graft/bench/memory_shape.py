@@ -49,18 +49,18 @@ def trl_generation_batch(rows: list[tuple[list[int], list[int]]], rewards_PG) ->
 
     prompt_width = max(len(p) for p, _ in rows)
     completion_width = max(len(c) for _, c in rows)
-    prompt_ids_BP = torch.full((len(rows), prompt_width), PAD_ID, dtype=torch.long)
-    prompt_mask_BP = torch.zeros_like(prompt_ids_BP)
+    prompt_ids_BT = torch.full((len(rows), prompt_width), PAD_ID, dtype=torch.long)
+    prompt_mask_BT = torch.zeros_like(prompt_ids_BT)
     completion_ids_BC = torch.full((len(rows), completion_width), PAD_ID, dtype=torch.long)
     completion_mask_BC = torch.zeros_like(completion_ids_BC)
     for b, (prompt, completion) in enumerate(rows):
-        prompt_ids_BP[b, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask_BP[b, prompt_width - len(prompt):] = 1
+        prompt_ids_BT[b, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask_BT[b, prompt_width - len(prompt):] = 1
         completion_ids_BC[b, :len(completion)] = torch.tensor(completion)
         completion_mask_BC[b, :len(completion)] = 1
     centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
     advantages_B = (centred_PG / (rewards_PG.std(dim=1, keepdim=True) + 1e-4)).flatten()
-    return {"prompt_ids": prompt_ids_BP, "prompt_mask": prompt_mask_BP, "completion_ids": completion_ids_BC,
+    return {"prompt_ids": prompt_ids_BT, "prompt_mask": prompt_mask_BT, "completion_ids": completion_ids_BC,
             "completion_mask": completion_mask_BC, "advantages": advantages_B,
             "num_items_in_batch": completion_mask_BC.sum()}
 

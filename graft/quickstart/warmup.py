@@ -9,7 +9,7 @@ Training is full-parameter AdamW with linear warmup and cosine decay on the task
 sequence is ``render_prompt_ids(tokenizer, ex)`` + the answer's tokens + ``<|im_end|>``; the loss
 covers only the answer and the ``<|im_end|>`` (the prompt is given, not learnt).
 
-Shape suffixes: ``_B`` batch, ``_T`` tokens, ``_N`` examples, ``_S`` samples per prompt.
+Shape suffixes: see graft/__init__.py.
 """
 
 import json
@@ -278,7 +278,7 @@ def generate_completions(
     ``<|im_end|>`` the model stops on) are dropped from the text.
 
     Returns:
-        ``completions_NS``: one list of ``samples`` strings per example, in order.
+        ``completions_PG``: one list of ``samples`` strings per example, in order.
     """
     model.eval()
     out: list[list[str]] = []

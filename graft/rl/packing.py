@@ -12,7 +12,7 @@ its mask at in-sequence positions ``P-1 .. P+C-2``.
 
 Packed attention: a packed row needs ``position_ids`` that restart at 0 per sequence (given here)
 AND attention restricted to each sequence's own tokens — a block-diagonal causal mask
-(``block_diagonal_mask``) or varlen attention (flash-attn's ``cu_seqlens``). Position ids alone do
+or varlen attention (flash-attn's ``cu_seqlens``). Position ids alone do
 not stop a token attending to the sequences packed before it — unless the model builds that mask
 from the restarts itself (transformers does when no KV cache is in use; see
 ``graft.rl.logprobs.teacher_forced_logprobs``).
@@ -156,23 +156,10 @@ def pack_rows(sequences: list[Sequence], row_tokens: int, pad_id: int) -> Packed
     return PackedRows(torch.stack(ids), torch.stack(positions), torch.stack(masks), [i for row in rows for i in row])
 
 
-def block_diagonal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
-    """Additive causal mask ``[1, 1, N, N]`` that keeps each packed sequence to itself.
-
-    0 where query ``i`` may attend key ``j`` (same sequence, ``j <= i``), ``finfo(dtype).min``
-    elsewhere — the 4-D mask HF models take as ``attention_mask`` for a packed row.
-    """
-    seq_id_N = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
-    n = seq_id_N.numel()
-    allowed_NN = (seq_id_N[:, None] == seq_id_N[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    mask_NN = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed_NN, torch.finfo(dtype).min)
-    return mask_NN[None, None]
-
-
 def pad(sequences: list[Sequence], side: str, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """Pads ``(prompt, completion)`` pairs to one ``[B, T]`` batch, T the longest sequence.
 
-    Left padding needs explicit ``position_ids`` (``position_ids_from_mask``); HF's default
+    Left padding needs explicit ``position_ids`` (0, 1, ... over each row's real tokens); HF's default
     ``arange`` would shift every left-padded sequence's positions.
 
     Returns:
@@ -196,11 +183,6 @@ def pad(sequences: list[Sequence], side: str, pad_id: int) -> tuple[Tensor, Tens
         attention_mask_BT[b, cols] = 1
         completion_mask_BT[b, cols] = _completion_mask(len(prompt), len(completion))
     return input_ids_BT, attention_mask_BT, completion_mask_BT
-
-
-def position_ids_from_mask(attention_mask_BT: Tensor) -> Tensor:
-    """``position_ids_BT``: 0, 1, ... over each row's real tokens (padding gets 0)."""
-    return (attention_mask_BT.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def completion_rows_mask(completion_lens: list[int], device: torch.device | None = None) -> Tensor:

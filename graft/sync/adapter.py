@@ -120,13 +120,9 @@ class AdapterSync:
         self.publisher.discard_from(KIND, version)
 
     @property
-    def current(self) -> str | None:
-        """The adapter name requests must use now (None before the first sync and after close)."""
-        return None if self._current is None else adapter_name(self._lora_name, self._current)
-
-    @property
     def current_version(self) -> int | None:
-        """The version of `current`: what rollout code passes to `inflight.use`."""
+        """The version requests use now (None before the first sync and after close): what rollout code
+        passes to `inflight.use` and `request_adapter`."""
         return self._current
 
     @property

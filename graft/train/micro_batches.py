@@ -13,9 +13,7 @@ computed 1.5x the layers' CPU time of padding and kept an `[N, N]` float mask pe
 backward (docs/benchmarks.md). Either way the scores come back as one row per sequence
 (`graft.rl.packing.completion_rows`), so the loss and the log-prob cache never see the layout.
 
-Shape suffixes: `_B` sequences of a micro-batch, `_T` padded token positions, `_N` packed tokens,
-`_xT` either layout (`[B, T]` or `[R, L]`: R packed rows of L tokens), `_K` scored positions,
-`_C` completion tokens (longest).
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations

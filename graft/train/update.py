@@ -12,8 +12,7 @@ reported metrics are whole-batch values. Which rows go to which rank and micro-b
 micro-batch is laid out (packed or padded), is `graft.train.micro_batches`'s: the loss sees one row
 per sequence either way.
 
-Shape suffixes: `_B` sequences of a micro-batch, `_C` completion tokens (longest of the micro-batch),
-`_P`/`_G` prompts/group.
+Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations
@@ -118,11 +117,11 @@ class _LogprobCache:
     def note_gap(self, row: int, policy_logprobs: torch.Tensor) -> None:
         """Track the largest |engine - trainer| log-prob gap, trainer log-probs before any update (at the
         model's own tokens: the engine gives none for an environment's)."""
-        gap_T = (self.engine[row] - policy_logprobs).abs()
+        gap_C = (self.engine[row] - policy_logprobs).abs()
         if row in self.counted:
-            gap_T = gap_T[self.counted[row]]
-        if len(gap_T):
-            self.gap = max(self.gap, gap_T.max().item())
+            gap_C = gap_C[self.counted[row]]
+        if len(gap_C):
+            self.gap = max(self.gap, gap_C.max().item())
 
     def counted_mask(self, row: int) -> torch.Tensor:
         """True at the completion tokens of `row` the loss counts."""
@@ -233,10 +232,10 @@ def _rewards_with_kl(rewards_PG: torch.Tensor, cache: _LogprobCache, whole_plan:
     policy that sampled it (the update's old policy) and the reference. Each row is scored by the one
     rank `whole_plan` (this rank's share of all rows) gives it for real, not as a stand-in, and summed
     over ranks. Also `reward_kl_penalty`, the mean penalty."""
-    kl_R = [0.0] * rewards_PG.numel()
+    kl_B = [0.0] * rewards_PG.numel()
     for r in {r for micros in whole_plan for rows, weight in micros if weight for r in rows}:
-        kl_R[r] = sequence_kl(cache.old[r], cache.ref[r], cache.counted_mask(r), train.kl_estimator).item()
-    penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_R), dtype=rewards_PG.dtype).view_as(rewards_PG)
+        kl_B[r] = sequence_kl(cache.old[r], cache.ref[r], cache.counted_mask(r), train.kl_estimator).item()
+    penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_B), dtype=rewards_PG.dtype).view_as(rewards_PG)
     return rewards_PG - penalty_PG, {"reward_kl_penalty": penalty_PG.mean().item()}
 
 

@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 
 from graft.rl.logprobs import token_logprobs_and_entropy
 from graft.rl.packing import (
-    block_diagonal_mask,
     completion_rows,
     completion_rows_mask,
     first_fit_rows,
@@ -20,9 +19,13 @@ from graft.rl.packing import (
     pack_rows,
     pack_shared_prompts,
     pad,
-    position_ids_from_mask,
 )
-from tests.helpers import padded_completion_logprobs, unpack_completion_logprobs
+from tests.helpers import (
+    block_diagonal_mask,
+    padded_completion_logprobs,
+    position_ids_from_mask,
+    unpack_completion_logprobs,
+)
 
 
 def token_logprobs(logits_xV, tokens_x):

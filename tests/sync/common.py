@@ -104,5 +104,11 @@ async def served_version(served: list[int], version: int, timeout: float = 60.0)
             await asyncio.sleep(0.01)
 
 
+def current_adapter(sync: AdapterSync) -> str | None:
+    """The adapter name requests must use now (None before the first sync and after close)."""
+    version = sync.current_version
+    return None if version is None else sync.request_adapter(version)
+
+
 def names(versions, lora_name: str = "graft") -> set[str]:
     return {adapter_name(lora_name, v) for v in versions}

@@ -17,7 +17,7 @@ from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.adapter import adapter_name, adapter_version
 from tests.helpers import is_peft_adapter, randomize_lora
-from tests.sync.common import RecordingEngine, make_sync, names, run
+from tests.sync.common import RecordingEngine, current_adapter, make_sync, names, run
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
@@ -43,9 +43,9 @@ def test_names_come_from_lora_name_and_other_adapters_are_not_counted(tmp_path, 
     sync, _, publisher = make_sync(engine, tmp_path, keep=2, lora_name="policy.a")
 
     async def main():
-        assert sync.current is None and sync.current_version is None
+        assert current_adapter(sync) is None and sync.current_version is None
         result = await sync.sync(peft_model, 1, step=10)
-        assert result.adapter == sync.current == "policy.a-v1" and sync.current_version == 1
+        assert result.adapter == current_adapter(sync) == "policy.a-v1" and sync.current_version == 1
         assert engine.adapters["policy.a-v1"] == str(publisher.latest("adapter").path)
         assert (result.mode, result.version, result.engine_adapters_loaded) == ("adapter", 1, 1)
         assert result.bytes == publisher.latest("adapter").bytes > 0
@@ -53,7 +53,7 @@ def test_names_come_from_lora_name_and_other_adapters_are_not_counted(tmp_path, 
         with pytest.raises(ValueError, match="not above"):
             await sync.sync(peft_model, 1, step=11)
         await sync.close()
-        assert sync.current is None and sync.loaded == []
+        assert current_adapter(sync) is None and sync.loaded == []
         assert set(engine.adapters) == {"someone-else", "policy.a-vx"}  # not graft's: left alone
 
     run(main())
@@ -66,7 +66,7 @@ def test_keep_versions_0_unloads_nothing_over_6_syncs(tmp_path, peft_model):
     async def main():
         loaded_after = [(await sync.sync(peft_model, v, step=v)).engine_adapters_loaded for v in range(1, 7)]
         assert loaded_after == [1, 2, 3, 4, 5, 6]
-        assert sync.loaded == [1, 2, 3, 4, 5, 6] and sync.current == "graft-v6"
+        assert sync.loaded == [1, 2, 3, 4, 5, 6] and current_adapter(sync) == "graft-v6"
         assert not any(c.startswith("unload") for c in engine.calls)
         await sync.close()
         assert engine.adapters == {}
@@ -140,7 +140,7 @@ def test_max_loras_is_never_exceeded_sync_waits_for_a_busy_slot(tmp_path, peft_m
         await asyncio.sleep(0)
         syncing = asyncio.create_task(sync.sync(peft_model, 3, step=3))
         await asyncio.sleep(0.5)  # publishing runs in a thread; then sync waits for v1's slot
-        assert not syncing.done() and engine.graft_adapters() == names([1, 2]) and sync.current == "graft-v2"
+        assert not syncing.done() and engine.graft_adapters() == names([1, 2]) and current_adapter(sync) == "graft-v2"
         release.set()
         result = await asyncio.wait_for(syncing, 10)
         await holder
@@ -233,7 +233,7 @@ def test_reference_engine_serves_each_new_version_by_its_name(tmp_path, base_dir
             randomize_lora(peft_model, seed=v, std=0.3)
             await sync.sync(peft_model, v, step=v)
             async with inflight.use(sync.current_version):
-                (completions,) = await engine.generate(request, sync.current)
+                (completions,) = await engine.generate(request, current_adapter(sync))
             outputs.append(completions[0].token_ids)
             assert await engine.list_adapters() == [f"ref-v{u}" for u in range(max(1, v - 1), v + 1)]
         await sync.close()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tests.sync.common import RecordingEngine, make_sync, names, run
+from tests.sync.common import RecordingEngine, current_adapter, make_sync, names, run
 
 
 def test_adapters_a_killed_run_left_are_unloaded_before_the_first_load(tmp_path, peft_model, caplog):
@@ -37,7 +37,7 @@ def test_an_unload_failure_is_logged_counted_and_retried_at_the_next_sync(tmp_pa
         engine.fail_unloads = 1
         with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
             result = await sync.sync(peft_model, 3, step=3)
-        assert sync.current == "graft-v3" and result.unload_failures == 1 and sync.unload_failures == 1
+        assert current_adapter(sync) == "graft-v3" and result.unload_failures == 1 and sync.unload_failures == 1
         assert "graft-v1" in caplog.text and "unload exploded" in caplog.text
         assert sync.loaded == [1, 2, 3] and result.engine_adapters_loaded == 3  # v1 may still hold a slot
         result = await sync.sync(peft_model, 4, step=4)  # retried once, succeeds

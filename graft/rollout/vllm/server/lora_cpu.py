@@ -19,7 +19,7 @@ no LoRA, as vLLM's GPU kernels and its own comment ("-1 means no lora") intend.
 Installed only over the version measured (the three ops' signatures); `GRAFT_VLLM_LORA_OPS=vllm`
 in the server's environment (`VllmServerConfig.lora_ops`) keeps vLLM's own.
 
-Shape suffixes: T tokens, I input features, O output features of one LoRA matrix, L adapter slots.
+Shape suffixes: see graft/__init__.py (``N`` the tokens of a step, ``S`` adapter slots).
 """
 
 from __future__ import annotations
@@ -39,21 +39,21 @@ _PARAMETERS = {  # the measured version's signatures; another version keeps its 
 }
 
 
-def lora_matvec(inputs_TI: torch.Tensor, weights_LOI: torch.Tensor, indices_T: torch.Tensor,
+def lora_matvec(inputs_NI: torch.Tensor, weights_SOI: torch.Tensor, indices_N: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """outputs_TO[t] = weights_LOI[indices_T[t]] @ inputs_TI[t] (0 where the index is -1), one matrix
+    """outputs_NO[t] = weights_SOI[indices_N[t]] @ inputs_NI[t] (0 where the index is -1), one matrix
     product per adapter used."""
-    if weights_LOI.dim() == 4:  # [L, 1, O, I]
-        weights_LOI = weights_LOI.squeeze(1)
-    inputs_TI = inputs_TI.to(dtype)
-    slots = torch.unique(indices_T)
+    if weights_SOI.dim() == 4:  # [S, 1, O, I]
+        weights_SOI = weights_SOI.squeeze(1)
+    inputs_NI = inputs_NI.to(dtype)
+    slots = torch.unique(indices_N)
     if slots.numel() == 1 and slots[0] >= 0:
-        return inputs_TI @ weights_LOI[slots[0]].to(dtype).T
-    outputs_TO = inputs_TI.new_zeros(inputs_TI.shape[0], weights_LOI.shape[1])  # -1: no adapter, adds 0
+        return inputs_NI @ weights_SOI[slots[0]].to(dtype).T
+    outputs_NO = inputs_NI.new_zeros(inputs_NI.shape[0], weights_SOI.shape[1])  # -1: no adapter, adds 0
     for slot in slots[slots >= 0]:
-        rows = indices_T == slot
-        outputs_TO[rows] = inputs_TI[rows] @ weights_LOI[slot].to(dtype).T
-    return outputs_TO
+        rows = indices_N == slot
+        outputs_NO[rows] = inputs_NI[rows] @ weights_SOI[slot].to(dtype).T
+    return outputs_NO
 
 
 def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
