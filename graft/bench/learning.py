@@ -25,8 +25,9 @@ from rich.table import Table
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import GraftConfig
 from graft.evaluation import evaluate, loaded_adapter
+from graft.models.cache import default_cache_dir
 from graft.models.loading import load_tokenizer
-from graft.quickstart.base import cached_base_model, default_cache_dir, shipped_config
+from graft.quickstart.base import cached_base_model, shipped_config
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.tasks.registry import load_task_data

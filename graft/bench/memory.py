@@ -140,7 +140,7 @@ def run_memory_bench(layers: tuple[int, ...] = (2,), overrides: list[str] | None
                      dims: dict = QWEN_SHAPE) -> dict:
     """graft, then TRL's two configurations, per shape, one at a time (never two measurements side by
     side: they would share the cores and the memory). `overrides` are graft's `train.*` overrides."""
-    from graft.quickstart.base import default_cache_dir
+    from graft.models.cache import default_cache_dir
 
     console = Console(stderr=True)
     python = trl_python(cache_dir or default_cache_dir(), console) if with_trl else None

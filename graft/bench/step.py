@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench step`: build (once, cached) the model, measure, print the table, return what --json writes."""
-    from graft.quickstart.base import default_cache_dir
+    from graft.models.cache import default_cache_dir
 
     model_dir = real_shape_model(default_cache_dir() / f"qwen2.5-0.5b-shape-{args.layers}-layers", args.layers)
     result = run_step_bench(model_dir)

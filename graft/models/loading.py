@@ -14,6 +14,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from graft.models.gguf import converted_dir, gguf_file
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -40,16 +42,22 @@ _HUB_ID_RE = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """The local directory for `path`: `path` itself when it exists (or cannot be a hub id), else
-    the snapshot of hub id `path` in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME).
+    """The local directory for `path`: the cached HF conversion of a GGUF file (`path` names a
+    .gguf file or a directory holding one; see `graft.models.gguf`), `path` itself when it exists
+    (or cannot be a hub id), else the snapshot of hub id `path` in the local Hugging Face cache
+    (HF_HUB_CACHE / HF_HOME).
 
     Never downloads: under torchrun every rank resolves the path, and a multi-GB download should
     be one deliberate `hf download` before the run, not a side effect of each rank. vLLM is given
     the resolved directory, so trainer and engine read the same files.
 
     Raises:
-        ValueError: `path` looks like a hub id, is not a local directory and is not in the cache.
+        ValueError: `path` looks like a hub id, is not a local directory and is not in the cache;
+            or it names a GGUF file that is missing, damaged or of an unsupported architecture.
     """
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return converted_dir(gguf)
     local = Path(path)
     if local.exists() or not _HUB_ID_RE.match(str(path)):
         return local

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from graft.config import GraftConfig, load_config
+from graft.models.packaged import packaged_model_dir
 from graft.quickstart.multiturn import sft_multiturn_base
 from graft.quickstart.warmup import RECIPE, sft_base_model
 
@@ -57,10 +57,6 @@ TASKS = {
 }
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GRAFT_CACHE", Path.home() / ".cache" / "graft"))
-
-
 def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = "arithmetic") -> tuple[Path, bool]:
     """The warm-up base model of `task` for `seed`, built on first use; (its directory, whether it was
     built now)."""
@@ -78,15 +74,38 @@ def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = 
     return path, True
 
 
-def shipped_config(task: str, overrides: list[str]) -> GraftConfig:
-    """`task`'s shipped config (`TASKS[task].config`) with `overrides` on top."""
-    return load_config(REPO / TASKS[task].config, overrides)
+# `graft quickstart --model NAME`: a real pretrained model from `graft.models.packaged`, trained on
+# arithmetic as it is (no warm-up) with its own shipped config.
+REAL_MODEL_CONFIGS = {"smollm2": "configs/smollm2-quickstart.yaml"}
+MODELS = ("tiny", *REAL_MODEL_CONFIGS)
 
 
-def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic") -> GraftConfig:
-    """What `graft quickstart --task TASK` trains with: the task's shipped config on `base_dir`, seeded by
-    `seed`; `steps` (the --steps flag) replaces the config's train.steps when given."""
+def quickstart_base(model: str, task: str, seed: int, cache_dir: Path, console: Console) -> tuple[Path, bool]:
+    """The base model `graft quickstart --model MODEL --task TASK` trains: the task's warm-up base for
+    "tiny", else the packaged real model (converted once and cached); (its directory, whether it was
+    built now).
+
+    Raises:
+        ValueError: a real model with a task other than arithmetic.
+    """
+    if model == "tiny":
+        return cached_base_model(seed, cache_dir, console, task)
+    if task != "arithmetic":
+        raise ValueError(f"--model {model} runs the arithmetic task only (got --task {task})")
+    converted = packaged_model_dir(model, cache_dir, log=console.print)
+    return converted, False
+
+
+def shipped_config(task: str, overrides: list[str], model: str = "tiny") -> GraftConfig:
+    """The shipped config of `task` (`TASKS[task].config`) or real `model` with `overrides` on top."""
+    return load_config(REPO / (TASKS[task].config if model == "tiny" else REAL_MODEL_CONFIGS[model]), overrides)
+
+
+def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic",
+                      model: str = "tiny") -> GraftConfig:
+    """What `graft quickstart --task TASK --model MODEL` trains with: the shipped config on `base_dir`,
+    seeded by `seed`; `steps` (the --steps flag) replaces the config's train.steps when given."""
     overrides = [f"model.path={base_dir}", f"train.seed={seed}"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
-    return shipped_config(task, overrides)
+    return shipped_config(task, overrides, model)

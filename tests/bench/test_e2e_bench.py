@@ -37,7 +37,7 @@ from graft.bench.trl_env import run_trl, trl_python
 from graft.bench.trl_worker import prompt_rows, reward_function, trl_arguments
 from graft.cli import main
 from graft.config import load_config
-from graft.quickstart.base import default_cache_dir
+from graft.models.cache import default_cache_dir
 from graft.rollout.vllm.client import VllmClient
 from graft.tasks import Example, render_prompt_ids
 from graft.tasks.rewards import exact_numeric_and_format

@@ -14,7 +14,7 @@ from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS, trl_memory_arguments
 from graft.cli import main
 from graft.config import load_config
-from graft.quickstart.base import default_cache_dir
+from graft.models.cache import default_cache_dir
 from graft.train.micro_batches import micro_batches
 from graft.train.rollout_batch import RolloutBatch
 

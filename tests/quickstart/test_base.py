@@ -48,3 +48,19 @@ def test_the_cli_offers_exactly_the_quickstart_tasks():
     quickstart_parser = build_parser()._subparsers._group_actions[0].choices["quickstart"]
     [task] = [a for a in quickstart_parser._actions if a.dest == "task"]
     assert set(task.choices) == set(quickstart.TASKS) and task.default == "arithmetic"
+
+
+def test_the_cli_offers_exactly_the_quickstart_models():
+    from graft.cli import build_parser
+
+    quickstart_parser = build_parser()._subparsers._group_actions[0].choices["quickstart"]
+    [model] = [a for a in quickstart_parser._actions if a.dest == "model"]
+    assert set(model.choices) == set(quickstart.MODELS) and model.default == "tiny"
+
+
+@pytest.mark.parametrize("model", list(quickstart.REAL_MODEL_CONFIGS))
+def test_a_real_model_quickstart_runs_its_shipped_config(tmp_path, model):
+    shipped = load_config(REPO / quickstart.REAL_MODEL_CONFIGS[model], [f"model.path={tmp_path}", "train.seed=3"])
+    assert quickstart.quickstart_config(tmp_path, seed=3, model=model) == shipped
+    with pytest.raises(ValueError, match=f"--model {model} runs the arithmetic task only"):
+        quickstart.quickstart_base(model, "tools", 0, tmp_path, Console(file=open(tmp_path / "out.txt", "w")))

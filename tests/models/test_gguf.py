@@ -1,0 +1,96 @@
+"""GGUF bases: which paths name a GGUF file, and a wrong one is one `graft: error:` line before any server.
+
+The files here are written with the `gguf` package itself (a tiny tensor, a header naming an
+architecture), so each failure is a real file of that kind, not a mocked reader. Converting a real
+model is tests/models/test_smollm2.py's.
+"""
+
+import numpy as np
+import pytest
+
+from graft.cli import main
+from graft.models.gguf import check_gguf, gguf_file
+
+
+def write_gguf(path, arch: str = "llama") -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_which_paths_name_a_gguf_file(tmp_path):
+    assert gguf_file(tmp_path / "m.gguf") == tmp_path / "m.gguf"  # by its suffix, existing or not
+    one = tmp_path / "one"
+    one.mkdir()
+    write_gguf(one / "m.gguf")
+    assert gguf_file(one) == one / "m.gguf"
+    (one / "config.json").write_text("{}")
+    assert gguf_file(one) is None  # a Hugging Face directory that also holds a GGUF file stays an HF directory
+    two = tmp_path / "two"
+    two.mkdir()
+    write_gguf(two / "a.gguf")
+    write_gguf(two / "b.gguf")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        gguf_file(two)
+    assert gguf_file(tmp_path) is None  # no GGUF file in it
+
+
+def test_a_whole_gguf_of_a_readable_architecture_passes_the_check(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama")
+    assert check_gguf(tmp_path / "m.gguf") == "llama"
+
+
+def _not_a_model(path):
+    path.write_bytes(b"PK\x03\x04" + bytes(4096))
+
+
+def _truncated(path):
+    write_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1024])
+
+
+def _cut_in_the_header(path):
+    write_gguf(path)
+    path.write_bytes(path.read_bytes()[:40])
+
+
+def _no_tensors(path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def _unsupported(path):
+    write_gguf(path, "graftnet")
+
+
+@pytest.mark.parametrize("make, message", [
+    (_not_a_model, "is not a GGUF model file"),
+    (_truncated, "is a truncated or damaged GGUF file"),
+    (_cut_in_the_header, "is a truncated or damaged GGUF file"),
+    (_no_tensors, "holds no tensors"),
+    (_unsupported, "GGUF architecture 'graftnet' cannot be read by transformers"),
+])
+def test_a_bad_gguf_is_one_line_before_any_server(tmp_path, capsys, make, message):
+    bad = tmp_path / "model.gguf"
+    make(bad)
+    code = main(["eval", "-o", f"model.path={bad}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: {bad}") and message in err[0], err
+    assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
+
+
+def test_a_missing_gguf_is_one_line(tmp_path, capsys):
+    code = main(["eval", "-o", f"model.path={tmp_path / 'absent.gguf'}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"graft: error: GGUF file {tmp_path / 'absent.gguf'} does not exist"]
