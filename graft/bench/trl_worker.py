@@ -61,7 +61,7 @@ def trl_arguments(spec: dict, output_dir: str) -> dict:
         gradient_checkpointing=False, seed=spec["seed"], data_seed=spec["seed"],
         per_device_train_batch_size=completions // spec["mini_batches"], gradient_accumulation_steps=1,
         steps_per_generation=spec["mini_batches"], num_generations=spec["samples"], num_iterations=1,
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
+        max_completion_length=spec["max_new_tokens"], temperature=spec.get("temperature", 1.0), top_p=1.0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
         optim="adamw_torch", max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group",
         max_steps=spec["steps"], logging_steps=spec.get("logging_steps", 10**9), save_strategy="no",

@@ -124,7 +124,7 @@ def test_learning_curve_counts_step_seconds_only(tmp_path):
     points = graft_curve(tmp_path)
     assert [(p["seconds"], p["accuracy"]) for p in points] == [(0.0, 0.4), (4.0, 0.5), (8.0, 0.7)]
     assert time_to_reach(points, 0.5) == 4.0 and time_to_reach(points, 0.9) is None
-    result = {"reward": "r", "trl_version": "1", "graft": {"points": points},
+    result = {"model": "tiny", "reward": "r", "trl_version": "1", "graft": {"points": points},
               "trl": {"points": [{"seconds": 0.0, "accuracy": 0.4}, {"seconds": 8.0, "accuracy": 0.45}]}}
     png = plot_learning(result, tmp_path / "learning.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -147,8 +147,10 @@ def test_bench_learning_command_runs_the_seed_it_is_given(monkeypatch, tmp_path)
     monkeypatch.setattr(learning, "print_learning_report", lambda result: None)
     out = tmp_path / "learning.json"
     assert main(["bench", "learning", "--seed", "2", "--plot-dir", str(tmp_path), "--json", str(out)]) == 0
-    assert calls == [{"steps": 150, "seed": 2, "out_dir": tmp_path}]
+    assert calls == [{"steps": None, "seed": 2, "out_dir": tmp_path, "model": "tiny"}]
     assert json.loads(out.read_text()) == {"seed": 2}
+    assert main(["bench", "learning", "--model", "smollm2", "--steps", "3", "--plot-dir", str(tmp_path)]) == 0
+    assert calls[1] == {"steps": 3, "seed": 0, "out_dir": tmp_path, "model": "smollm2"}
 
 
 @pytest.mark.vllm
