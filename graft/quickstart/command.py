@@ -10,7 +10,8 @@ MODELS = ("tiny", "smollm2")  # graft.quickstart.base.MODELS, named here without
 
 
 def add_quickstart_command(sub) -> None:
-    """`graft quickstart [--task T] [--model M] [--run-dir D] [--seed S] [--steps N] [--cache-dir C]` on the `graft` parser."""
+    """`graft quickstart [--task T] [--model M] [--run-dir D] [--seed S] [--steps N] [--cache-dir C]` on the
+    `graft` parser."""
     p = sub.add_parser("quickstart", help="the main job: LoRA GRPO on a real vLLM server, end to end",
                        description="Build (once, cached) a small base model by short supervised training on "
                                    "arithmetic, launch vLLM, run LoRA GRPO with adapter sync (load, verify, unload), "
