@@ -21,8 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench import e2e
-from graft.bench.e2e import LORA, SPLIT, Workload, _load, graft_steps
-from graft.models.tiny import build_tiny_model
+from graft.bench.e2e import LORA, SPLIT, Workload, _load, graft_steps, model_point
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
 WORKLOAD = Workload("16x8x32", 16, 8, 32)
@@ -45,23 +44,24 @@ class _ServerWithEnvironment(VllmServer):
         return {**super().environment(), **self.extra}
 
 
-def run_cores_bench(models: tuple[tuple[int, int], ...] = MODELS, steps: int = 6, warmup: int = 2) -> dict:
-    """Per (hidden, layers) model and server setting: medians of s/step and its rollout/train/sync."""
+def run_cores_bench(models: tuple[tuple[int, int] | str, ...] = MODELS, steps: int = 6, warmup: int = 2) -> dict:
+    """Per model point and server setting: medians of s/step and its rollout/train/sync."""
     from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
 
     console, rows = Console(stderr=True), []
-    for hidden, layers in models:
+    for point in models:
+        model = point if isinstance(point, str) else f"h{point[0]} l{point[1]}"
         with tempfile.TemporaryDirectory(prefix="graft-bench-cores-") as tmp:
             work = Path(tmp)
-            base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+            base = model_point(point, work, console)
             adapter_dir, _ = prepare_adapter_and_merged(base, work, LORA["rank"], torch.float32)
             for index, (setting, extra) in enumerate(SETTINGS.items()):
-                console.print(f"h{hidden} l{layers}: {setting} (starting vLLM-CPU, ~30-60 s)")
+                console.print(f"{model}: {setting} (starting vLLM-CPU, ~30-60 s)")
                 config = VllmServerConfig(model=str(base), dtype="float32", max_lora_rank=8, max_loras=4, log_dir=work)
                 with _ServerWithEnvironment(config, extra) as server:
                     asyncio.run(_load(server.url, ADAPTER, adapter_dir))
                     measured = graft_steps(base, server.url, WORKLOAD, steps, 0, work / f"run-{index}")[warmup:]
-                rows.append({"model": f"h{hidden} l{layers}", "setting": setting,
+                rows.append({"model": model, "setting": setting,
                              "seconds_per_step": statistics.median(s["seconds"] for s in measured),
                              **{key: statistics.median(s[key] for s in measured) for key in SPLIT}})
     return {"workload": WORKLOAD.name, "steps_per_run": steps, "warmup_steps": warmup, "rows": rows}

@@ -70,7 +70,8 @@ TASK = {"task": "arithmetic", "reward": "exact_numeric"}
 # beside the next rollout (graft.train.trainer).
 SPLIT = ("rollout_seconds", "train_seconds", "sync_seconds", "verify_seconds")
 # (hidden, layers) of the random Qwen2 models: the quickstart's size (0.6M parameters: per-step
-# overheads dominate) and a small LM's (25M: the compute starts to count).
+# overheads dominate) and a small LM's (25M: the compute starts to count). A model point may also
+# name a real packaged model (`--model smollm2`: graft.models.packaged).
 MODELS = ((128, 2), (512, 8))
 
 
@@ -233,7 +234,7 @@ def _servers(base: Path, adapter_dir: Path, work: Path, reserved: dict[str, int 
             server.stop()
 
 
-def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
+def run_e2e_bench(models: tuple[tuple[int, int] | str, ...] = MODELS, workloads: tuple[Workload, ...] = WORKLOADS,
                   repeats: int = 3, steps: int = 6, warmup: int = 2, cache_dir: Path | None = None) -> dict:
     """Seconds per step of each graft side (`GRAFT_SIDES`) and TRL for each (hidden, layers) model
     and workload, interleaved A B C D A B C D over `repeats`, and the floors next to them."""
@@ -248,11 +249,11 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
         done[0] += 1
         console.print(f"[{done[0]}/{total}] {model} {line}")
 
-    for hidden, layers in models:
-        model = f"h{hidden} l{layers}"
+    for point in models:
+        model = point if isinstance(point, str) else f"h{point[0]} l{point[1]}"
         with tempfile.TemporaryDirectory(prefix="graft-bench-e2e-") as tmp:
             work = Path(tmp)
-            base = build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+            base = model_point(point, work, console)
             adapter_dir, _ = prepare_adapter_and_merged(base, work, LORA["rank"], torch.float32)
             reserved = reserved_cores_per_side(base)
             with _servers(base, adapter_dir, work, reserved, console) as urls:
@@ -265,6 +266,16 @@ def run_e2e_bench(models: tuple[tuple[int, int], ...] = MODELS, workloads: tuple
             "warmup_steps": warmup, "trl_version": TRL_VERSION,
             "graft_engine": "vLLM-CPU (a server per reserved-cores setting; adapter or merged sync, verified)",
             "trl_engine": "transformers generate (in the training process)", "workloads": rows}
+
+
+def model_point(point: tuple[int, int] | str, work: Path, console: Console) -> Path:
+    """The base model of a model point: a random Qwen2 of (hidden, layers), or a packaged real model."""
+    if isinstance(point, str):
+        from graft.models.packaged import packaged_model_dir
+
+        return packaged_model_dir(point, log=console.print)
+    hidden, layers = point
+    return build_tiny_model(work / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
 
 
 async def _reload_base(url: str, base: Path) -> None:
@@ -302,8 +313,12 @@ def print_e2e_report(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser, repeats: bool = True) -> None:
     """`graft bench e2e`'s flags (`graft bench cores` shares them, less --repeats): one model instead
     of the two, the steps per run and how many interleaved repetitions."""
+    from graft.models.packaged import PACKAGED_MODELS
+
     parser.add_argument("--hidden", type=int, default=None,
                         help="one model of this hidden size instead of h128 l2 and h512 l8")
+    parser.add_argument("--model", choices=sorted(PACKAGED_MODELS), default=None,
+                        help="one real packaged model instead (smollm2: SmolLM2-135M-Instruct)")
     parser.add_argument("--layers", type=int, default=2,
                         help="decoder layers of the --hidden model (default %(default)s)")
     parser.add_argument("--steps", type=int, default=6,
@@ -314,7 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser, repeats: bool = True) -> None
 
 
 def bench_models(args: argparse.Namespace) -> tuple[tuple[int, int], ...]:
-    """The (hidden, layers) models the command line asks for."""
+    """The model points the command line asks for: a packaged model, one (hidden, layers), or both defaults."""
+    if getattr(args, "model", None):
+        return (args.model,)
     return ((args.hidden, args.layers),) if args.hidden else MODELS
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from graft.bench import learning
+from graft.bench import e2e, learning
 from graft.bench.e2e import (
     Workload,
     _reload_base,
@@ -226,3 +226,15 @@ def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_ser
 async def _served_adapters(url: str) -> list[str]:
     async with VllmClient(url) as client:
         return await client.list_adapters()
+
+
+def test_e2e_model_points_from_the_command_line():
+    import argparse
+
+    from graft.bench.e2e import MODELS, bench_models
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    assert bench_models(parser.parse_args([])) == MODELS
+    assert bench_models(parser.parse_args(["--hidden", "256", "--layers", "4"])) == ((256, 4),)
+    assert bench_models(parser.parse_args(["--model", "smollm2"])) == ("smollm2",)
