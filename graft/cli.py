@@ -228,7 +228,8 @@ def _add_model_command(sub) -> None:
 def _add_export_command(sub) -> None:
     p = sub.add_parser("export", help="write base + LoRA adapter as a standalone merged model",
                        description="Merge a PEFT LoRA adapter into its base model (fp32 math, one rounding, "
-                                   "base never modified) and write a standalone HF model: safetensors, config, tokenizer.")
+                                   "base never modified) and write a standalone HF model: safetensors, config, "
+                                   "tokenizer.")
     p.add_argument("--base", required=True, help="base HF model directory")
     p.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")

@@ -102,12 +102,14 @@ def print_merge_report(result: dict) -> None:
                         f"r={result['lora_rank']} on {result['lora_modules']} modules")
     for column in ("", "median seconds", f"base drift after {result['cycles']} cycles"):
         table.add_column(column)
-    table.add_row("graft (new tensors, fp32 math)", f"{result['graft_seconds']:.4f}", f"{result['graft_base_drift']:.3g}")
+    table.add_row("graft (new tensors, fp32 math)", f"{result['graft_seconds']:.4f}",
+                  f"{result['graft_base_drift']:.3g}")
     table.add_row("PEFT merge_adapter (in place)", f"{result['peft_seconds']:.4f}",
                   f"{result['peft_bf16_drift_after_cycles']:.3g}")
     console = Console()
     console.print(table)
-    console.print(f"ratio PEFT/graft: {result['ratio']:.2f}x (medians of {result['repeats']} interleaved runs; > 1 means graft is faster)")
+    console.print(f"ratio PEFT/graft: {result['ratio']:.2f}x (medians of {result['repeats']} interleaved runs; "
+                  "> 1 means graft is faster)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,8 @@ async def _generate_until(stop: asyncio.Event, client: VllmClient, sync: Adapter
             continue
         async with inflight.use(version):
             try:
-                await client.generate([GenerateRequest((5, 17, 200, 33), params)], adapter=sync.request_adapter(version))
+                request = GenerateRequest((5, 17, 200, 33), params)
+                await client.generate([request], adapter=sync.request_adapter(version))
                 counts["ok"] += 1
             except EngineError as error:
                 counts["failed"] += 1

@@ -193,8 +193,8 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
     except ValueError as e:
         raise AdapterError(f"{config_file}: invalid JSON ({e})") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise AdapterError(f"{config_file}: peft_type is {config.get('peft_type') if isinstance(config, dict) else None!r}, "
-                           "graft loads LORA adapters only")
+        peft_type = config.get("peft_type") if isinstance(config, dict) else None
+        raise AdapterError(f"{config_file}: peft_type is {peft_type!r}, graft loads LORA adapters only")
     used = [k for k in _UNSUPPORTED if config.get(k)]
     if used:
         raise AdapterError(f"{config_file}: unsupported LoRA option(s) {', '.join(used)}")
@@ -233,7 +233,8 @@ def _check_hyperparameters(model: peft.PeftModel, config: dict, path: Path) -> N
     for key in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern"):
         theirs = config.get(key, ours[key])
         if theirs != ours[key] and not (isinstance(theirs, int | float) and math.isclose(theirs, ours[key])):
-            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key} is {theirs!r} but the model's adapter has {ours[key]!r}")
+            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key} is {theirs!r} "
+                               f"but the model's adapter has {ours[key]!r}")
 
 
 def _summarise(keys: set[str], limit: int = 4) -> str:
