@@ -29,7 +29,9 @@ from graft.config.rollout import RolloutConfig
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="Hugging Face model directory (or hub id) of the frozen base model.")
+    path: str | None = Field(None, description="Hugging Face model directory (or hub id in the local cache) of the "
+                             "frozen base model, or a .gguf file (or a directory holding one), converted once to a "
+                             "cached HF directory (`graft model` lists packaged ones).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the frozen base weights; the LoRA adapter, its gradients and AdamW "
         "state stay float32. bfloat16/float16 is mixed precision: under FSDP2 the forward computes in that "
