@@ -36,6 +36,7 @@ from rich.table import Table
 from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, QWEN_SHAPE, build_model, memory_batch
 from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS
+from graft.models.packaged import PACKAGED_MODELS
 
 # The batch per shape: 32 sequences (16,384 tokens) at 2 layers; 8 (one group, 4,096 tokens) at the
 # full 24 layers, so that each side's update finishes in minutes on a 2-core CPU.
@@ -153,6 +154,19 @@ def run_memory_bench(layers: tuple[int, ...] = (2,), overrides: list[str] | None
     return {"overrides": overrides or [], "trl_version": trl_version, "shapes": rows}
 
 
+def real_model_point(name: str) -> tuple[tuple[dict, ...], dict]:
+    """(shapes, dims) of `graft bench memory --model NAME`: the packaged real model with its own weights
+    and layers, one group of 8 sequences of the usual prompt and completion lengths."""
+    from transformers import AutoConfig
+
+    from graft.models.packaged import packaged_model_dir
+
+    path = packaged_model_dir(name, log=Console(stderr=True).print)
+    config = AutoConfig.from_pretrained(path)
+    shape = {"name": name, "layers": config.num_hidden_layers, "sequences": 8}
+    return (shape,), {"path": str(path), "vocab": config.vocab_size}
+
+
 def print_memory_report(result: dict) -> None:
     table = Table(title="graft bench memory: one GRPO update (one optimizer step), LoRA r16, fp32, real vocabulary")
     for column in ("shape", "side", "rows", "tokens", "micro", "model GiB", "above model GiB", "s", "CPU-s"):
@@ -176,11 +190,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=2,
                         help="decoder layers: 2 (32 sequences, the default) or 24 (8 sequences)")
     parser.add_argument("--no-trl", action="store_true", help="measure graft only (no TRL virtualenv)")
+    parser.add_argument("--model", choices=sorted(PACKAGED_MODELS), default=None,
+                        help="a real packaged model (its own weights and layers, 8 sequences) instead of the shape")
 
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench memory`: measure, print the table, return what --json writes."""
-    result = run_memory_bench(layers=(args.layers,), with_trl=not args.no_trl)
+    if args.model:
+        shapes, dims = real_model_point(args.model)
+        result = run_memory_bench(layers=(shapes[0]["layers"],), with_trl=not args.no_trl, shapes=shapes, dims=dims)
+    else:
+        result = run_memory_bench(layers=(args.layers,), with_trl=not args.no_trl)
     print_memory_report(result)
     return result
 

@@ -16,10 +16,13 @@ PAD_ID = 0  # ids are drawn from [3, vocab): padding never collides with a real 
 
 
 def build_model(dims: dict, layers: int):
-    """A random fp32 Qwen2 of `dims` with `layers` decoder layers and tied embeddings (seed 0)."""
+    """A random fp32 Qwen2 of `dims` with `layers` decoder layers and tied embeddings (seed 0), or the
+    real model at `dims["path"]` (a model point such as `--model smollm2`: its own layers, in fp32)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if "path" in dims:
+        return AutoModelForCausalLM.from_pretrained(dims["path"], dtype=torch.float32)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=dims["vocab"], hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                          num_hidden_layers=layers, num_attention_heads=dims["heads"],

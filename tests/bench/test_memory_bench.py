@@ -132,3 +132,19 @@ def test_a_killed_measurement_is_reported_and_the_others_still_run(monkeypatch, 
     assert row["trl"]["graft-settings"] is None and row["trl_above_model_bytes"] == 30
     memory.print_memory_report(result)
     assert "TRL (graft-settings) failed: the TRL run failed (exit -9)" in capsys.readouterr().err
+
+
+def test_a_real_model_point_measures_that_model_with_its_own_layers(base_dir, monkeypatch):
+    """`--model NAME` measures the packaged model's own weights (here the suite's tiny base stands in)."""
+    from transformers import AutoConfig
+
+    import graft.models.packaged
+
+    monkeypatch.setattr(graft.models.packaged, "packaged_model_dir", lambda name, log=None: base_dir)
+    shapes, dims = memory.real_model_point("smollm2")
+    config = AutoConfig.from_pretrained(base_dir)
+    assert shapes == ({"name": "smollm2", "layers": config.num_hidden_layers, "sequences": 8},)
+    assert dims == {"path": str(base_dir), "vocab": config.vocab_size}
+    small = ({**shapes[0], "sequences": 8, "prompt_tokens": 6, "completion_tokens": [10, 5]},)
+    (row,) = run_memory_bench(layers=(shapes[0]["layers"],), with_trl=False, shapes=small, dims=dims)["shapes"]
+    assert row["vocab"] == config.vocab_size and row["graft_peak_bytes"] >= row["graft_model_bytes"] > 0
