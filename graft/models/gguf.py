@@ -13,7 +13,9 @@ transformers can read), so a wrong or truncated file is one clear error before a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -23,7 +25,7 @@ from graft.models.cache import default_cache_dir
 
 GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"
-DONE = "graft-gguf.json"  # written last: a directory without it is a half-finished conversion
+DONE = "graft-gguf.json"  # what was converted from which file: the cache entry's record
 
 _SHA256: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> digest: hash once per process
 
@@ -119,7 +121,13 @@ def _convert(gguf: Path, architecture: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        try:  # transformers' GGUF reader draws its own progress bar: graft's caller logs the conversion
+            with contextlib.redirect_stderr(io.StringIO()):
+                loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as error:  # a header transformers accepts, contents it cannot map
+            raise ValueError(f"{gguf}: transformers could not convert this {architecture} GGUF file "
+                             f"({type(error).__name__}: {error})") from None
         # save_pretrained refuses a model whose config still names the GGUF quantization; the
         # weights are already dequantized, so the same weights in a plain model save normally.
         loaded.config.quantization_config = None
@@ -127,7 +135,7 @@ def _convert(gguf: Path, architecture: str, target: Path) -> None:
         plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         for written in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: engines may run as another user
             written.chmod(0o755 if written.is_dir() else 0o644)
         (tmp / DONE).write_text(json.dumps({"gguf": str(gguf), "sha256": file_sha256(gguf),

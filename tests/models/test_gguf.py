@@ -70,6 +70,10 @@ def _no_tensors(path):
     writer.close()
 
 
+def _llama_header_without_a_model(path):
+    write_gguf(path, "llama")  # one embedding, no tokenizer, no layers: nothing transformers can build
+
+
 def _unsupported(path):
     write_gguf(path, "graftnet")
 
@@ -79,15 +83,18 @@ def _unsupported(path):
     (_truncated, "is a truncated or damaged GGUF file"),
     (_cut_in_the_header, "is a truncated or damaged GGUF file"),
     (_no_tensors, "holds no tensors"),
+    (_llama_header_without_a_model, "transformers could not convert this llama GGUF file"),
     (_unsupported, "GGUF architecture 'graftnet' cannot be read by transformers"),
 ])
-def test_a_bad_gguf_is_one_line_before_any_server(tmp_path, capsys, make, message):
+def test_a_bad_gguf_is_one_line_before_any_server(tmp_path, capsys, monkeypatch, make, message):
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "model.gguf"
     make(bad)
     code = main(["eval", "-o", f"model.path={bad}", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: {bad}") and message in err[0], err
     assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
+    assert not list((tmp_path / "cache").glob("gguf/*"))  # nothing half-converted is left in the cache
 
 
 def test_a_missing_gguf_is_one_line(tmp_path, capsys):
