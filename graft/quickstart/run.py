@@ -67,8 +67,10 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
         "base_model_built_now": built,
         "base_model_train_seconds": sft_seconds,
         "eval_examples": config.train.eval_examples,
-        "reward_first_10_steps": _mean([r["reward_mean"] for r in rows[:10]]),
-        "reward_last_10_steps": _mean([r["reward_mean"] for r in rows[-10:]]),
+        # the first and last 10 steps' train reward (halves of a run of 20 steps or fewer)
+        "reward_window_steps": (window := max(1, min(10, len(rows) // 2))),
+        "reward_first_steps": _mean([r["reward_mean"] for r in rows[:window]]),
+        "reward_last_steps": _mean([r["reward_mean"] for r in rows[-window:]]),
         "max_adapters_loaded": max(r["engine_adapters_loaded"] for r in rows),
         "keep_versions": config.sync.resolved_keep_versions(config.rollout.max_staleness),
         "sync_seconds_median": sorted(r["sync_seconds"] for r in rows)[len(rows) // 2],
@@ -119,8 +121,8 @@ def _report(console: Console, s: dict, run_dir: Path) -> None:
                  f"{s['accuracy_after'] - s['accuracy_before']:+.3f}"]
     for name, value in zip((f"held-out {s['held_out']} before", f"held-out {s['held_out']} after", "change"), shown):
         table.add_row(name, value)
-    table.add_row("train reward, first -> last 10 steps",
-                  f"{s['reward_first_10_steps']:.2f} -> {s['reward_last_10_steps']:.2f}")
+    table.add_row(f"train reward, first -> last {s['reward_window_steps']} steps",
+                  f"{s['reward_first_steps']:.2f} -> {s['reward_last_steps']:.2f}")
     table.add_row("GRPO steps", str(s["steps"]))
     table.add_row("adapters loaded at most (keep_versions)", f"{s['max_adapters_loaded']} ({s['keep_versions']})")
     table.add_row("sync seconds (median, incl. verify)", f"{s['sync_seconds_median']:.3f}")
