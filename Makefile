@@ -37,7 +37,7 @@ $(SGLANG_VENV)/.installed-0.5.23: $(SGLANG_CPU)/requirements.txt
 sglang-venv: $(SGLANG_VENV)/.installed-0.5.23
 
 quickstart: venv
-	$(BIN)/graft quickstart
+	$(BIN)/graft quickstart --model smollm2
 
 test: venv
 	$(BIN)/python -m pytest -q
