@@ -107,3 +107,22 @@ def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, si
         assert "graft: terminated (SIGTERM)" in stderr and "Traceback" not in stderr
     else:
         assert returncode == -signal.SIGKILL
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("after_s", [1.0, 6.0])
+def test_a_train_killed_while_its_server_starts_leaves_no_vllm_process(base_dir, tmp_path, after_s):
+    """SIGKILL (a `docker stop` past its grace) in the server's first seconds, while vLLM still imports:
+    the owner watch starts at the top of graft's entry module, so the server never serves unowned."""
+    trainer = _start_train(base_dir, tmp_path / "run", tmp_path / "stderr.txt")
+    try:
+        (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm.server.entry", trainer.pid), 60,
+                              "the trainer to launch vLLM")
+        pgid = os.getpgid(server)
+        time.sleep(after_s)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        _wait_for(lambda: not live_group_members(pgid), 30, f"the vLLM process group {pgid} to exit")
+    finally:
+        trainer.kill()
+        trainer.wait()

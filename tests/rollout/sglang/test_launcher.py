@@ -45,6 +45,20 @@ def test_environment_puts_the_cpu_fixes_first_and_asks_for_raw_logprobs(monkeypa
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env[OWNER_ENV] == str(os.getpid())
 
 
+def test_a_server_whose_owner_died_before_start_up_stops_its_group_at_once():
+    """graft SIGKILLed before the server's Python even ran its sitecustomize: the group leader sees an
+    owner that is not its parent and stops the group before torch is imported."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    env = {**os.environ, "PYTHONPATH": str(CPU_FIXES_DIR), "GRAFT_SGLANG_CPU_FIXES": "1", OWNER_ENV: str(gone.pid)}
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)
+    try:
+        assert server.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        server.kill()
+        server.wait()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"host": "0.0.0.0"}, "loopback only"),
     ({"dtype": "float16"}, "is not one of"),

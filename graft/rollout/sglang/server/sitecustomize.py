@@ -12,8 +12,9 @@ owner watchdog; docs/sglang-cpu.md has the evidence for each.
    import (SGLang imports it for multimodal configs; text models never call it).
 3. The `sgl_kernel` stand-in beside this file (see its docstring).
 
-Owner watchdog: like graft's vLLM entry point, the server process (and only it: its parent is the
-owner) stops its whole process group once the process that launched it is gone.
+Owner watchdog: like graft's vLLM entry point, the server process (and only it: the leader of the
+group graft started) stops its whole process group once the process that launched it is gone, also
+when that happened before this ran.
 """
 
 import os
@@ -58,7 +59,9 @@ def _watch_owner() -> None:
     import time
 
     owner = os.environ.get("GRAFT_OWNER_PID", "")
-    if not owner.isdigit() or int(owner) != os.getppid():
+    # Only the launched server, leader of its own group (SGLang's processes inherit the variable). An
+    # owner that is not our parent already died (SIGKILL during start-up): the loop below ends at once.
+    if not owner.isdigit() or os.getpgrp() != os.getpid():
         return
 
     def watch() -> None:
@@ -73,6 +76,6 @@ def _watch_owner() -> None:
 
 
 if os.environ.get("GRAFT_SGLANG_CPU_FIXES") == "1":
+    _watch_owner()  # first: the other two import torch, seconds in which the owner may die
     _drop_pin_memory()
     _torchvision_schemas()
-    _watch_owner()

@@ -32,30 +32,10 @@ import sys
 import threading
 import time
 
-from graft.rollout.vllm.server import lora_cpu
-
 BUSY_LOOP_S = 0.05
 RECHECK_INTERVAL_MS = 10
 OWNER_POLL_S = 0.5
 OWNER_GONE_GRACE_S = 10
-
-
-def _shorter_busy_wait() -> None:
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:  # an engine build without it: nothing to change
-        return
-    condition = getattr(shm_broadcast, "SpinCondition", None)
-    # Only the version we measured: (busy_loop_s=1,) and a module-level recheck interval.
-    if condition is None or condition.__init__.__defaults__ != (1,) or \
-            not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-        return
-    condition.__init__.__defaults__ = (BUSY_LOOP_S,)
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_INTERVAL_MS
-
-
-_shorter_busy_wait()
-lora_cpu.install()
 
 
 # Run outside the group: after argv[1] seconds, SIGKILL every process whose environment holds argv[2].
@@ -92,11 +72,14 @@ def _stop_group_when_owner_exits(owner_pid: int) -> None:
 
 
 def watch_owner() -> threading.Thread | None:
-    """Start the owner watchdog when the launcher named an owner that is our parent."""
+    """Start the owner watchdog in the server a launcher started: the leader of its own process group
+    (`start_new_session`), named owner in `OWNER_ENV`. An owner that is no longer our parent died
+    before the watch began (a SIGKILL in the first seconds of start-up): the group stops at once.
+    vLLM's own processes inherit the variable but lead no group, and never watch."""
     from graft.rollout.launcher import OWNER_ENV
 
     owner = os.environ.get(OWNER_ENV, "")
-    if not owner.isdigit() or int(owner) != os.getppid():
+    if not owner.isdigit() or os.getpgrp() != os.getpid():
         return None
     thread = threading.Thread(target=_stop_group_when_owner_exits, args=(int(owner),), name="graft-owner-watchdog",
                               daemon=True)
@@ -104,11 +87,36 @@ def watch_owner() -> threading.Thread | None:
     return thread
 
 
+# Before anything heavy: vLLM's imports take > 6 s on 2 loaded cores, a window in which a launcher
+# killed by SIGKILL would otherwise leave a server that finishes starting and serves on, unowned.
+if __name__ == "__main__":
+    watch_owner()
+
+from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
+
+
+def _shorter_busy_wait() -> None:
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:  # an engine build without it: nothing to change
+        return
+    condition = getattr(shm_broadcast, "SpinCondition", None)
+    # Only the version we measured: (busy_loop_s=1,) and a module-level recheck interval.
+    if condition is None or condition.__init__.__defaults__ != (1,) or \
+            not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        return
+    condition.__init__.__defaults__ = (BUSY_LOOP_S,)
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_INTERVAL_MS
+
+
+_shorter_busy_wait()
+lora_cpu.install()
+
+
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
     from graft.rollout.vllm.server.batch_route import patch_build_app
 
-    watch_owner()
     patch_build_app()
     main()

@@ -57,3 +57,30 @@ def test_the_late_kill_after_the_owner_died_hits_only_this_launchs_processes():
         for proc in (ours, theirs):
             proc.kill()
             proc.wait()
+
+
+def test_a_server_whose_owner_died_before_the_watch_began_stops_before_vllm_loads():
+    """The launcher was SIGKILLed in the server's first seconds (here: before it started at all): the
+    server, leader of its own group, sees an owner that is not its parent and stops its group at
+    once, from the top of the entry module, before vLLM's imports."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from graft.rollout.launcher import OWNER_ENV
+    from graft.rollout.process_group import SERVER_ID_ENV
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs: the owner that died
+    env = {**os.environ, OWNER_ENV: str(gone.pid), SERVER_ID_ENV: "owner-gone-test"}
+    started = time.monotonic()
+    server = subprocess.Popen([sys.executable, "-m", "graft.rollout.vllm.server.entry", "--model", "/nonexistent"],
+                              env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, stderr = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == -signal.SIGTERM, stderr.decode()[-2000:]
+    assert time.monotonic() - started < 30
+    assert b"vllm" not in stderr.lower()  # stopped before vLLM said anything
