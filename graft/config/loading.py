@@ -125,9 +125,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(_format_errors(e, None if path is None else str(path), overrides)) from None
 
 
+# What a literal rollout.api_key becomes in printed and saved YAML: null (pydantic's "**********" mask,
+# reloaded, would be sent as the key), with a comment that one was set.
+_API_KEY_LINE = "  api_key: null  # a key was set; graft never prints or saves it\n"
+
+
 def config_to_yaml(cfg: GraftConfig) -> str:
-    """The config as YAML, sections and keys in declaration order, every value explicit."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+    """The config as YAML, sections and keys in declaration order, every value explicit (a literal
+    API key as null: see `_API_KEY_LINE`)."""
+    data = cfg.model_dump(mode="json")
+    key_set = data["rollout"].get("api_key") is not None
+    data["rollout"]["api_key"] = None
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    return text.replace("  api_key: null\n", _API_KEY_LINE, 1) if key_set else text
 
 
 def save_config(cfg: GraftConfig, path: str | Path) -> None:

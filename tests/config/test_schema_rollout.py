@@ -2,7 +2,7 @@
 
 import pytest
 
-from graft.config import ConfigError, config_to_yaml, load_config
+from graft.config import ConfigError, config_to_yaml, load_config, save_config
 
 
 def test_failover_and_timeout_defaults():
@@ -30,9 +30,13 @@ def test_timeouts_and_min_engines_must_be_positive(override):
         load_config(None, [override])
 
 
-def test_a_literal_key_is_never_shown_and_both_sources_at_once_are_rejected():
+def test_a_literal_key_is_never_shown_and_both_sources_at_once_are_rejected(tmp_path):
     config = load_config(None, ["rollout.api_key=sk-literal-42"])
     assert config.rollout.api_key.get_secret_value() == "sk-literal-42"
     assert "sk-literal-42" not in config_to_yaml(config) + repr(config) + str(config)
+    # Saved and reloaded, the mask is not taken for the key: no literal key, the environment decides.
+    save_config(config, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml").rollout.api_key is None
+    assert "a key was set" in config_to_yaml(config) and "a key was set" not in config_to_yaml(load_config(None))
     with pytest.raises(ConfigError, match="rollout.api_key and rollout.api_key_env are both set"):
         load_config(None, ["rollout.api_key=sk-literal-42", "rollout.api_key_env=MY_KEY"])
