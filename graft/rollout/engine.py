@@ -86,6 +86,11 @@ class EngineUnavailableError(EngineError):
     """The engine cannot be reached or is not serving (connection refused, timed out, 5xx)."""
 
 
+class EngineUnreachableError(EngineUnavailableError):
+    """Nothing answers at the engine's address any more (every connection attempt refused or timed out):
+    the server is gone, not merely slow."""
+
+
 class BadRequestError(EngineError):
     """The engine rejected the request as malformed (bad path, bad parameters)."""
 

@@ -19,7 +19,7 @@ import httpx
 from graft.config import GraftConfig
 from graft.models.loading import checkpoint_parameters, require_model_dir
 from graft.rollout.api_key import resolve_api_key
-from graft.rollout.engine import BadRequestError, EngineUnavailableError, RolloutEngine
+from graft.rollout.engine import BadRequestError, EngineUnavailableError, EngineUnreachableError, RolloutEngine
 from graft.rollout.launcher import ServerProcess
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
@@ -33,6 +33,7 @@ from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 HTTP_CLIENTS: dict[str, Callable[..., RolloutEngine]] = {"vllm": VllmClient, "sglang": SglangClient}
 # How long a server that stopped answering gets to finish exiting before we say whether it died.
 _EXIT_GRACE_S = 5.0
+_RESUME = "`graft train ... --resume` (same config and --run-dir)"
 
 
 def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) -> VllmServerConfig:
@@ -134,9 +135,14 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
             yield clients[0] if len(clients) == 1 else EnginePool(clients, min_engines=rollout.min_engines,
                                                                   probe_after_s=rollout.control_timeout_s)
         except EngineUnavailableError as error:
+            if server is None and isinstance(error, EngineUnreachableError):  # a server the user runs
+                detail = str(error).removeprefix(f"{error.address}: ")
+                raise EngineUnreachableError(
+                    f"the server is gone: nothing answers any more ({detail}); once it serves again, a training run "
+                    f"continues from its newest checkpoint with {_RESUME}", address=error.address) from error
             code = None if server is None else await asyncio.to_thread(server.exit_code, _EXIT_GRACE_S)
             if code is None:
                 raise
-            raise EngineUnavailableError(server.exit_report(
-                code, then="; a training run continues from its newest checkpoint with `graft train ... --resume` "
-                           "(same config and --run-dir)"), address=server.url) from error
+            raise EngineUnavailableError(server.exit_report(code, then=f"; a training run continues from its newest "
+                                                                       f"checkpoint with {_RESUME}"),
+                                         address=server.url) from error

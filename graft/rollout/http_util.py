@@ -17,6 +17,7 @@ from graft.rollout.engine import (
     EngineError,
     EngineHealth,
     EngineUnavailableError,
+    EngineUnreachableError,
     UnknownAdapterError,
 )
 
@@ -85,7 +86,7 @@ async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str,
             return await http.request(method, path, timeout=timeout_s, **kwargs)
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             if attempt == retries:
-                raise EngineUnavailableError(f"{method} {path}: cannot connect after {attempt + 1} attempt(s): "
+                raise EngineUnreachableError(f"{method} {path}: cannot connect after {attempt + 1} attempt(s): "
                                              f"{error!r}", address=address) from error
         except httpx.TimeoutException as error:
             raise EngineUnavailableError(f"{method} {path}: no answer within {timeout_s:g} s ({error!r})",

@@ -220,3 +220,22 @@ def test_user_urls_give_a_client_or_a_pool(vllm_server, base_dir, tmp_path):
             assert {h.address: h.healthy for h in await engine.health_all()} == {vllm_server.url: True, dead: False}
 
     asyncio.run(scenario())
+
+
+def test_a_user_server_that_is_gone_is_named_so_with_how_to_resume(base_dir, tmp_path):
+    """A server at rollout.urls that stops answering mid-run (here: nothing listens at its port any
+    more, every connection refused) is reported as gone, with how the run continues."""
+    url = f"http://127.0.0.1:{free_port()}"
+    config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{url}]", "rollout.control_timeout_s=2"])
+
+    async def generate_once():
+        async with open_engine(config, tmp_path, syncs=False) as engine:
+            await engine.generate([GenerateRequest((5, 6), SamplingParams(max_new_tokens=1))])
+
+    with pytest.raises(EngineUnavailableError) as info:
+        asyncio.run(generate_once())
+    message = str(info.value)
+    assert message.startswith(f"{url}: the server is gone: nothing answers any more (GET /v1/models: ")
+    assert message.count(url) == 1 and "cannot connect after" in message
+    assert message.endswith("a training run continues from its newest checkpoint with `graft train ... --resume` "
+                            "(same config and --run-dir)")
