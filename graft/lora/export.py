@@ -13,12 +13,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import peft
-import safetensors.torch
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
-from graft.atomic import atomic_dir
+from graft.atomic import atomic_dir, save_safetensors
 from graft.lora.adapter_io import load_adapter
 from graft.lora.merge import iter_merged_weights, merged_layout
 from graft.lora.stream_write import TensorStream, layout_bytes, plan_shards, write_streamed_shards
@@ -51,7 +50,7 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
 
     def flush() -> None:
         nonlocal shard, shard_bytes
-        safetensors.torch.save_file(shard, out_dir / f"shard-{len(shards):05d}.tmp", metadata={"format": "pt"})
+        save_safetensors(shard, out_dir / f"shard-{len(shards):05d}.tmp", metadata={"format": "pt"})
         shards.append(list(shard))
         shard, shard_bytes = {}, 0
 

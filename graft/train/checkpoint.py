@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from graft.atomic import atomic_dir
+from graft.atomic import atomic_dir, save_safetensors
 from graft.lora.adapter_io import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -97,9 +97,9 @@ def save_checkpoint(checkpoints_dir: Path, model: peft.PeftModel, optimizer: tor
     with atomic_dir(target, overwrite=True) as tmp:
         (tmp / ADAPTER_DIR).mkdir()
         write_adapter_files(adapter, adapter_config_dict(model), tmp / ADAPTER_DIR)
-        safetensors.torch.save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS)
+        save_safetensors(optimizer_tensors, tmp / OPTIMIZER_TENSORS)
         (tmp / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1) + "\n")
-        safetensors.torch.save_file(rng_tensors, tmp / RNG_TENSORS)
+        save_safetensors(rng_tensors, tmp / RNG_TENSORS)
         (tmp / RNG_META).write_text(json.dumps(rng_meta) + "\n")
         (tmp / TRAINER_STATE).write_text(trainer_json)
     _rotate(target.parent, step, keep)
