@@ -100,15 +100,14 @@ def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Loads the tokenizer stored in a local model directory (or a cached hub id).
+    """Loads the tokenizer stored in a local model directory (or a cached hub id): the model's, next
+    to its config.json, so that a wrong directory is named as a model directory before transformers
+    tries every tokenizer format in it.
 
     Raises:
-        ValueError: If ``path`` is not a directory or a cached hub id.
+        ValueError: Not a model directory (see `require_model_dir`).
     """
-    path = resolve_model_path(path)
-    if not path.is_dir():
-        raise ValueError(f"tokenizer directory {path} does not exist")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(require_model_dir(path))
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

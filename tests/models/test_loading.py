@@ -103,8 +103,11 @@ def test_load_tokenizer(tiny_model_dirs, tmp_path):
     tokenizer = load_tokenizer(tiny_model_dirs["qwen2"])
     assert isinstance(tokenizer, PreTrainedTokenizerBase)
     assert tokenizer.decode(tokenizer("12 + 7")["input_ids"]) == "12 + 7"
-    with pytest.raises(ValueError, match="tokenizer directory .*nope does not exist"):
+    with pytest.raises(ValueError, match="model directory .*nope does not exist"):
         load_tokenizer(tmp_path / "nope")
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(ValueError, match="model directory .*no-config has no config.json"):
+        load_tokenizer(tmp_path / "no-config")
 
 
 def test_model_dtype_follows_the_bulk_of_weights():
