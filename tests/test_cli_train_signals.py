@@ -126,3 +126,26 @@ def test_a_train_killed_while_its_server_starts_leaves_no_vllm_process(base_dir,
     finally:
         trainer.kill()
         trainer.wait()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_server_start_up_acts_at_once(base_dir, tmp_path, sig, code):
+    """SIGTERM or Ctrl-C while graft waits for its vLLM server's /health: the run stops and the server
+    with it, without waiting for the server to finish starting."""
+    run_dir, stderr_path = tmp_path / "run", tmp_path / "stderr.txt"
+    trainer = _start_train(base_dir, run_dir, stderr_path)
+    try:
+        (server,) = _wait_for(lambda: _children_running("graft.rollout.vllm.server.entry", trainer.pid), 60,
+                              "the trainer to launch vLLM")
+        pgid = os.getpgid(server)
+        time.sleep(2.0)  # vLLM is importing: /health answers only tens of seconds later
+        trainer.send_signal(sig)
+        assert trainer.wait(timeout=60) == code, stderr_path.read_text()[-2000:]
+        _wait_for(lambda: not live_group_members(pgid), 30, f"the vLLM process group {pgid} to exit")
+    finally:
+        trainer.kill()
+        trainer.wait()
+    (log,) = (run_dir / "logs").glob("vllm-*.log")
+    assert "Application startup complete" not in log.read_text()  # stopped before it ever served
+    assert "Traceback" not in stderr_path.read_text()

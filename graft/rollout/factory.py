@@ -121,7 +121,11 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
         urls, server = list(rollout.urls), None
         if not urls:
             server = launched_server(config, run_dir, syncs)
-            await asyncio.to_thread(server.start)
+            try:
+                await asyncio.to_thread(server.start)
+            except BaseException:  # cancelled by Ctrl-C / SIGTERM: the starting thread stops the server
+                server.abandon_start()
+                raise
             stack.callback(server.stop)
             urls = [server.url]
         elif syncs and rollout.engine == "vllm" and config.sync.reloads_weights:

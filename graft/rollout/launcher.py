@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -112,6 +113,7 @@ class ServerProcess:
         self._proc: subprocess.Popen | None = None
         self._owner_pid: int | None = None
         self._server_id = uuid.uuid4().hex  # SERVER_ID_ENV of this launch's processes
+        self._abandoned = threading.Event()  # set by abandon_start(), from another thread
 
     @property
     def url(self) -> str:
@@ -164,16 +166,24 @@ class ServerProcess:
             raise
         return self
 
+    def abandon_start(self) -> None:
+        """Make a `start()` blocked in another thread (`asyncio.to_thread`) stop the server and raise
+        within one poll: a Ctrl-C or SIGTERM during start-up then acts at once, not once /health
+        answers (the interpreter waits for that thread before it exits)."""
+        self._abandoned.set()
+
     def _wait_healthy(self) -> None:
         started = time.monotonic()
         while not self.health():
+            if self._abandoned.is_set():
+                raise ServerStartupError(f"{self.ENGINE_NAME} server start-up abandoned (interrupted)")
             returncode = self._proc.poll()
             if returncode is not None:
                 raise ServerStartupError(self._failure(f"exited with code {returncode} before /health answered"))
             timeout_s = self.config.startup_timeout_s
             if time.monotonic() - started > timeout_s:
                 raise ServerStartupError(self._failure(f"did not answer /health in {timeout_s:g} s"))
-            time.sleep(_POLL_INTERVAL_S)
+            self._abandoned.wait(_POLL_INTERVAL_S)
         self.startup_seconds = time.monotonic() - started
 
     def _failure(self, what: str) -> str:
