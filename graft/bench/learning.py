@@ -41,18 +41,24 @@ REWARD = "exact_numeric+format"
 # (measured on seed 0), more than the gap between the two sides this bench compares.
 EVAL_EXAMPLES = 1000
 # graft's (steps, eval_every) per model: the tiny base learns over 150 steps; SmolLM2-135M's steps
-# cost ~20 s each here (8 prompts x 8 samples), and its quickstart gains its 20 points in 12.
-RUNS = {"tiny": (150, 25), "smollm2": (12, 4)}
+# cost ~20 s each here (8 prompts x 8 samples), and its quickstart gains 40 points in 10.
+RUNS = {"tiny": (150, 25), "smollm2": (12, 6)}
+# The reward both sides train with, where it is not the quickstart config's own: the shaped sum lifts
+# the tiny base. SmolLM2 answers in sentences ("17 + 25 = 42."); paid for bare numbers it dropped
+# them and its accuracy with them (seed 0: 35.4% at batch 4, 5.8% at batch 8), so it keeps
+# exact_numeric.
+REWARDS = {"tiny": REWARD}
 
 
 def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, extra: tuple[str, ...] = (),
                  model: str = "tiny") -> GraftConfig:
-    """The settings of `graft quickstart --model MODEL` with the shaped reward, on the bench's server;
-    `extra` overrides last."""
+    """The settings of `graft quickstart --model MODEL` with the model's bench reward (`REWARDS`), on
+    the bench's server; `extra` overrides last."""
+    reward = [f"data.reward={REWARDS[model]}"] if model in REWARDS else []
     return shipped_config("arithmetic", [
-        f"model.path={base}", f"rollout.urls=[{url}]",
-        # held-out accuracy as TRL's adapters are scored: exact_numeric, not the shaped sum
-        f"data.reward={REWARD}", "data.eval_reward=exact_numeric", f"train.steps={steps}",
+        f"model.path={base}", f"rollout.urls=[{url}]", *reward,
+        # held-out accuracy as TRL's adapters are scored: exact_numeric, not a shaped sum
+        "data.eval_reward=exact_numeric", f"train.steps={steps}",
         f"train.eval_every={eval_every}", f"train.eval_examples={EVAL_EXAMPLES}",
         "train.checkpoint_every=0", f"train.seed={seed}", *extra], model)
 
@@ -121,7 +127,8 @@ def run_learning_bench(steps: int | None = None, eval_every: int | None = None, 
                           *asyncio.run(score_adapters(config, work / "eval", trl["adapters"]))]
         finally:
             server.stop()
-    result = {"model": model, "base": str(base), "reward": REWARD, "budget_seconds": budget, "trl_version": TRL_VERSION,
+    result = {"model": model, "base": str(base), "reward": config.data.reward, "budget_seconds": budget,
+              "trl_version": TRL_VERSION,
               "graft": {"points": graft_points, "steps": steps},
               "trl": {"points": trl_points, "optimizer_steps": len(trl["steps"]),
                       "mini_batches": config.train.mini_batches}}
