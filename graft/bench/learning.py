@@ -42,7 +42,7 @@ REWARD = "exact_numeric+format"
 EVAL_EXAMPLES = 1000
 # graft's (steps, eval_every) per model: the tiny base learns over 150 steps; SmolLM2-135M's steps
 # cost ~20 s each here (8 prompts x 8 samples), and its quickstart gains 40 points in 10.
-RUNS = {"tiny": (150, 25), "smollm2": (12, 6)}
+RUNS = {"tiny": (150, 25), "smollm2": (12, 4)}
 # The reward both sides train with, where it is not the quickstart config's own: the shaped sum lifts
 # the tiny base. SmolLM2 answers in sentences ("17 + 25 = 42."); paid for bare numbers it dropped
 # them and its accuracy with them (seed 0: 35.4% at batch 4, 5.8% at batch 8), so it keeps

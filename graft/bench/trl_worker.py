@@ -118,11 +118,14 @@ def run(spec: dict) -> dict:
             steps.append({"step": state.global_step, "seconds": seconds, "rollout_seconds": rollout,
                           "train_seconds": seconds - rollout, "sync_seconds": 0.0, "verify_seconds": 0.0,
                           "clock": self.clock, **TimedGRPOTrainer.batch_stats})
-            if save_dir is not None and state.global_step % spec["save_every"] == 0:
+            out_of_time = bool(spec.get("time_budget_s")) and self.clock >= spec["time_budget_s"]
+            # The last step before the budget runs out is saved too: TRL's final point, also when the
+            # budget bought fewer steps than `save_every`.
+            if save_dir is not None and (state.global_step % spec["save_every"] == 0 or out_of_time):
                 path = save_dir / f"step-{state.global_step}"
                 model.save_pretrained(path)
                 adapters.append({"step": state.global_step, "clock": self.clock, "path": str(path)})
-            if spec.get("time_budget_s") and self.clock >= spec["time_budget_s"]:
+            if out_of_time:
                 control.should_training_stop = True
 
     if spec.get("threads"):

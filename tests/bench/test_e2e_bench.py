@@ -223,6 +223,18 @@ def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_ser
     assert asyncio.run(_served_adapters(vllm_server.url)) == []  # every scored adapter unloaded again
 
 
+@pytest.mark.trl
+def test_trl_saves_its_last_step_when_the_budget_runs_out_before_a_save(base_dir, tmp_path):
+    """A slower TRL may get fewer optimizer steps in graft's seconds than one save interval: its
+    last step is saved anyway, so its curve has a final point."""
+    config = graft_config(base_dir, "http://127.0.0.1:1", steps=2, eval_every=4, seed=0,
+                          extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.mini_batches=1"])
+    spec = {**learning_trl_spec(config, budget_s=1e-6, eval_every=4, save_dir=tmp_path / "adapters"), "steps": 4}
+    result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
+    assert [s["step"] for s in result["steps"]] == [1]  # the budget ran out after the first step
+    assert [a["step"] for a in result["adapters"]] == [1] and spec["save_every"] == 4
+
+
 async def _served_adapters(url: str) -> list[str]:
     async with VllmClient(url) as client:
         return await client.list_adapters()
