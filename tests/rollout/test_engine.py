@@ -70,7 +70,7 @@ def test_pool_with_a_dead_server_names_it_and_broadcasts_to_the_live_one(vllm_se
             assert not (await pool.health()).healthy
             with pytest.raises(PoolBroadcastError) as error:
                 await pool.load_adapter("policy-v1", str(adapter_dir))
-            assert dead in str(error.value) and "EngineUnavailableError" in str(error.value)
+            assert dead in str(error.value) and "EngineUnreachableError" in str(error.value)
             assert error.value.succeeded == [vllm_server.url]
             # The live server did get the broadcast: the adapter is loaded and serves there.
             assert "policy-v1" in await live_client.list_adapters()

@@ -239,7 +239,7 @@ def test_unreachable_http_engine_is_named_in_health_and_in_broadcast_errors():
     assert [(h.address, h.healthy) for h in each] == [(url, False), ("in-process", True)]
     assert "cannot connect" in each[0].detail
     assert list(err.failures) == [url] and isinstance(err.failures[url], EngineUnavailableError)
-    assert f"{url}: EngineUnavailableError" in str(err) and "succeeded on: in-process" in str(err)
+    assert f"{url}: EngineUnreachableError" in str(err) and "succeeded on: in-process" in str(err)
     assert "not dropped from the pool: 1 live engine(s) would remain, fewer than min_engines=2" in str(err)
     assert healthy.calls == [("load", "policy-v5")] and healthy.adapters == {"policy-v5"}
     assert pool.engines_live == 2 and pool.dropped == {}
