@@ -94,24 +94,13 @@ def test_eval_of_a_directory_that_is_not_an_adapter_is_one_line(base_dir, tmp_pa
     assert code == 2 and len(err) == 1 and "junk" in err[0]
 
 
-def test_eval_of_a_model_directory_without_config_json_is_one_line_before_any_server(base_dir, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_a_model_directory_without_config_json_is_one_line_before_any_server(base_dir, tmp_path, capsys, command):
     import shutil
 
     shutil.copytree(base_dir, tmp_path / "model")
     (tmp_path / "model" / "config.json").unlink()
-    code = main(["eval", "-o", f"model.path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == [f"graft: error: model directory {tmp_path / 'model'} has no config.json: a Hugging "
-                                 "Face model directory holds its config.json next to the weights"]
-    assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
-
-
-def test_train_on_a_model_directory_without_config_json_is_one_line_before_any_server(base_dir, tmp_path, capsys):
-    import shutil
-
-    shutil.copytree(base_dir, tmp_path / "model")
-    (tmp_path / "model" / "config.json").unlink()
-    code = main(["train", "-o", f"model.path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")])
+    code = main([command, "-o", f"model.path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"graft: error: model directory {tmp_path / 'model'} has no config.json: a Hugging "
                                  "Face model directory holds its config.json next to the weights"]
