@@ -65,10 +65,12 @@ class Dist:
 
     @property
     def device(self) -> torch.device:
-        """Where this rank trains: its GPU when there are GPUs (one per rank), else the CPU."""
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        """Where this rank trains: its GPU (one per rank) on one process with CUDA or under NCCL; the
+        CPU otherwise. Ranks on gloo train on the CPU even where a GPU is visible: gloo's FSDP2 and TP
+        collectives move CPU tensors, and `init_distributed` picks gloo when there are fewer GPUs
+        than ranks on a node."""
+        on_gpu = mesh_device() == "cuda" if self.active and dist.is_initialized() else torch.cuda.is_available()
+        return torch.device("cuda", _local_rank()) if on_gpu else torch.device("cpu")
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over the data-parallel ranks (the ranks of one TP group hold the same
@@ -126,14 +128,26 @@ def init_distributed(backend: str = "auto", tp: int = 1) -> Dist:
     if world_size == 1:
         return Dist()
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = auto_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("dist.backend 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
     if not dist.is_initialized():
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(_local_rank())
         dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
     return mesh_dist(tp)
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def auto_backend() -> str:
+    """`dist.backend: auto`: NCCL when this node has a GPU for each of its ranks, else gloo (on the
+    CPU). NCCL cannot put two ranks on one GPU ("Duplicate GPU detected"), so a node with fewer GPUs
+    than ranks, e.g. a test spawning 2 ranks on a one-GPU machine, trains on the CPU."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
 
 
 def mesh_dist(tp: int = 1) -> Dist:
