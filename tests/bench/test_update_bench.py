@@ -1,0 +1,77 @@
+"""`graft bench update`: the JSON each side writes (tokens, seconds, memory, FLOPs, the device), the
+profile table, the flags it refuses, and the FLOP count's parameters. Real runs at a tiny shape."""
+
+import json
+
+import pytest
+import torch
+
+from graft.bench import update
+from graft.bench.update_measure import build_base, non_embedding_parameters, useful_flops
+from graft.cli import main
+from graft.lora.attach import attach_lora, lora_parameters
+
+TINY_DIMS = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 500}
+TINY_FLAGS = ["--layers", "2", "--sequences", "8", "--prompt-tokens", "6", "--completion-tokens", "4",
+              "--device", "cpu", "--repeats", "1"]
+NUMBERS = ("seconds", "cpu_seconds", "tokens", "tokens_per_second", "tokens_per_cpu_second", "peak_bytes",
+           "model_bytes", "useful_flops", "useful_tflops")
+
+
+def _bench(monkeypatch, tmp_path, *flags: str) -> dict:
+    monkeypatch.setattr(update, "DIMS", TINY_DIMS)
+    out = tmp_path / "update.json"
+    assert main(["bench", "update", *TINY_FLAGS, "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def test_graft_side_writes_the_json_contract_and_a_profile(monkeypatch, tmp_path):
+    result = _bench(monkeypatch, tmp_path, "--sides", "graft", "--profile", str(tmp_path / "profile"))
+    assert result["device"].startswith("cpu (") and result["device"].endswith(" cores)")
+    assert list(result["sides"]) == ["graft"] and result["dtype"] == "float32" and result["peak_tflops"] is None
+    graft = result["sides"]["graft"]
+    assert all(graft[key] > 0 for key in NUMBERS), graft
+    assert graft["tokens"] == 8 * (6 + 4)
+    assert graft["tokens_per_second"] == pytest.approx(graft["tokens"] / graft["seconds"])
+    assert graft["seconds"] == min(graft["all_seconds"]) and len(graft["all_seconds"]) == 1
+    assert graft["optimizer_steps"] == 2  # the warm-up and the one timed update, one step each
+    assert graft["peak_fraction"] is None and graft["lora_dtype"] == "float32"
+    table = (tmp_path / "profile" / "graft.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    assert not (tmp_path / "profile" / "trl.txt").exists()
+
+
+@pytest.mark.parametrize("flags, named", [(["--sides", "graft,vllm"], "--sides"), (["--sides", ""], "--sides"),
+                                          (["--sequences", "12"], "--sequences"), (["--repeats", "0"], "--repeats")])
+def test_refuses_unknown_sides_and_partial_groups(monkeypatch, tmp_path, capsys, flags, named):
+    out = tmp_path / "update.json"
+    assert main(["bench", "update", *TINY_FLAGS, "--json", str(out), *flags]) == 2
+    assert named in capsys.readouterr().err and not out.exists()
+
+
+def test_flops_count_every_weight_but_the_embedding_head_and_adapter():
+    spec = {"dims": TINY_DIMS, "layers": 2, "dtype": "bfloat16", "sequences": 8, "prompt_tokens": 6,
+            "completion_tokens": 4}
+    h, i, kv = 64, 128, 64 // 4 * 2
+    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h  # q, k, v (biased), o, MLP, norms
+    model = build_base(spec)
+    assert non_embedding_parameters(model) == 2 * per_layer + h  # + the final norm
+    model = attach_lora(model, rank=16, alpha=32, seed=0)
+    assert non_embedding_parameters(model) == 2 * per_layer + h
+    # A bf16 base keeps an fp32 adapter.
+    assert {p.dtype for p in lora_parameters(model).values()} == {torch.float32}
+    assert model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    flops = useful_flops(spec, non_embedding_parameters(model))
+    assert flops == 4 * (2 * per_layer + h) * 8 * 10 + 4 * h * 500 * 8 * 4
+
+
+@pytest.mark.trl
+def test_both_sides_update_the_same_batch(monkeypatch, tmp_path):
+    result = _bench(monkeypatch, tmp_path, "--profile", str(tmp_path / "profile"))
+    assert set(result["sides"]) == {"graft", "trl"}
+    graft, trl = result["sides"]["graft"], result["sides"]["trl"]
+    assert graft["tokens"] == trl["tokens"] == 80
+    assert all(trl[key] > 0 for key in NUMBERS), trl
+    assert trl["optimizer_steps"] == 3  # warm-up, timed, profiled
+    assert graft["non_embedding_parameters"] == trl["non_embedding_parameters"]
+    assert "aten::" in (tmp_path / "profile" / "trl.txt").read_text()
