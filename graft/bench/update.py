@@ -190,7 +190,7 @@ def print_update_report(result: dict) -> None:
     spec = result["spec"]
     table = Table(title=f"graft bench update: one GRPO update, {spec['layers']} layers of the Qwen2.5-0.5B shape, "
                         f"{result['dtype']} base, LoRA r16 fp32, on {result['device']}")
-    for column in ("side", "s", "CPU-s", "tokens", "tokens/s", "tokens/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
+    for column in ("side", "s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
         table.add_column(column, justify="right")
     for side, s in result["sides"].items():
         fraction = f"{s['peak_fraction']:.1%}" if s["peak_fraction"] is not None else "-"
