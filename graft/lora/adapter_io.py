@@ -171,8 +171,10 @@ def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, *, dtype: to
 
 def write_adapter_files(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> None:
     """The two PEFT files into the existing directory `out_dir` (not atomic by itself: the caller's
-    directory is, e.g. a publisher's temporary version directory)."""
-    save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    directory is, e.g. a publisher's temporary version directory). Tensors on a GPU are copied to the
+    CPU here, where they are serialized (a no-op for `adapter_tensors`' results, already there)."""
+    host = {key: tensor.detach().to(device="cpu") for key, tensor in tensors.items()}
+    save_safetensors(host, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -244,7 +246,7 @@ def _summarise(keys: set[str], limit: int = 4) -> str:
 
 
 def load_adapter_weights(model: peft.PeftModel, path: str | os.PathLike, *, place: Place = _as_is) -> None:
-    """Copy an adapter's weights into `model`'s LoRA parameters, strictly.
+    """Copy an adapter's weights into `model`'s LoRA parameters (on whatever device they are), strictly.
 
     All checks run before the first copy, so on error the model is unchanged. Under FSDP2 every rank
     calls this with `place=graft.train.dist.shard_like` (a collective) and reads the files.
@@ -274,7 +276,10 @@ def _load_checked(model: peft.PeftModel, path: Path, config: dict, tensors: dict
                                f"{tuple(tensor.shape)}, the base model needs {tuple(params[key].shape)}")
     with torch.no_grad():
         for key, tensor in tensors.items():
-            params[key].copy_(place(tensor.to(params[key].dtype), params[key]))
+            # The file's tensors are on the CPU: each goes to its parameter's device (a GPU) before it is
+            # laid out and copied, so no copy mixes devices.
+            param = params[key]
+            param.copy_(place(tensor.to(device=param.device, dtype=param.dtype), param))
 
 
 def load_adapter(base_model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) -> peft.PeftModel:

@@ -37,7 +37,8 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
     """Write tensors as HF-style shards (`model.safetensors`, or numbered shards + index). Returns bytes.
 
     A shard is flushed as soon as it reaches `max_shard_bytes`, so at most one shard is held in memory;
-    a `TensorStream` of one dtype is written one tensor at a time instead (the same bytes).
+    a `TensorStream` of one dtype is written one tensor at a time instead (the same bytes). Tensors
+    may be on any device (a GPU's merged weights): each is copied to the CPU as it is written.
     """
     if isinstance(named_tensors, TensorStream) and named_tensors.streamable:
         shards = plan_shards(named_tensors.layout, max_shard_bytes)
@@ -58,7 +59,7 @@ def write_safetensors_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], 
         size = tensor.numel() * tensor.element_size()
         if shard and shard_bytes + size > max_shard_bytes:
             flush()
-        shard[name] = tensor.contiguous()
+        shard[name] = tensor.detach().to(device="cpu").contiguous()  # safetensors writes host memory
         shard_bytes += size
         total_bytes += size
     if shard or not shards:

@@ -1,9 +1,10 @@
-"""Merge LoRA into base weights without drift: new tensors, fp32 math, one rounding.
+"""Merge LoRA into base weights without drift: new tensors, fp32 math (fp64 on a GPU), one rounding.
 
 PEFT merges in place (`W += s·B@A`) and unmerges by subtracting; in bf16 each step rounds, so the
 base drifts a little more with every sync cycle. Here the base is only read: every merged weight is
 a new tensor `round(W + s·B@A)` with the sum formed in fp32 and rounded once to the output dtype,
-so any number of merges leaves the base bit-identical and every merge gives the same result.
+on the device the base weight lives on (the LoRA factors are moved to it), so any number of merges
+leaves the base bit-identical and every merge gives the same result.
 """
 
 from __future__ import annotations
@@ -40,24 +41,60 @@ _LOOKAHEAD = 4
 _ROWS_PER_CHUNK = 256
 
 
+# On a GPU the merge runs where the weight lives, in row chunks of at most this many bytes of fp64.
+_DEVICE_CHUNK_BYTES = 64 << 20
+
+
 def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`weight + scaling · lora_B @ lora_A` as a new tensor of `dtype` (default weight's dtype).
+    """`weight + scaling · lora_B @ lora_A` as a new tensor of `dtype` (default weight's dtype), on
+    `weight`'s device: the LoRA factors are moved there (they are small), the weight never moves.
 
-    Shapes: weight [out, in], lora_A [r, in], lora_B [out, r]. The delta is formed in fp32 and added
-    to `weight` in fp32 (torch.add computes in the promoted dtype), and the sum is rounded once, when
-    stored into the output. `weight` is only read.
+    Shapes: weight [out, in], lora_A [r, in], lora_B [out, r]. On the CPU the delta is formed in fp32
+    and added to `weight` in fp32 (torch.add computes in the promoted dtype); elsewhere see
+    `_merge_on_device`. Either way the sum is rounded once, when stored into the output, and
+    `weight` is only read.
+
+    Raises:
+        NotImplementedError: a LoRA factor is on the `meta` device while the weight is not (no data
+            to move; torch's own error).
     """
+    if weight.device.type != "cpu":
+        return _merge_on_device(weight, lora_A, lora_B, scaling, dtype)
     out_features = weight.shape[0]
-    merged = torch.empty(weight.shape, dtype=dtype or weight.dtype)
-    scaled_A = lora_A.float() * scaling
-    lora_B = lora_B.float()
+    merged = torch.empty(weight.shape, dtype=dtype or weight.dtype, device=weight.device)
+    scaled_A = lora_A.to(device=weight.device, dtype=torch.float32) * scaling
+    lora_B = lora_B.to(device=weight.device, dtype=torch.float32)
     delta = torch.empty(min(_ROWS_PER_CHUNK, out_features), weight.shape[1])
     for start in range(0, out_features, _ROWS_PER_CHUNK):
         stop = min(start + _ROWS_PER_CHUNK, out_features)
         delta_chunk = delta[: stop - start]
         torch.mm(lora_B[start:stop], scaled_A, out=delta_chunk)
         torch.add(weight[start:stop], delta_chunk, out=merged[start:stop])
+    return merged
+
+
+def _merge_on_device(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                     dtype: torch.dtype | None) -> torch.Tensor:
+    """`merge_weight` on an accelerator: `W + s·B@A` formed in fp64 (one fused addmm per row chunk)
+    and rounded once into the output.
+
+    Not fp32: cuBLAS runs fp32 matmuls in TF32 (a 10-bit mantissa) whenever
+    `torch.backends.cuda.matmul.allow_tf32` or `torch.set_float32_matmul_precision("high")` is on,
+    switches that are process-wide (the merge threads cannot turn them off for themselves alone) and
+    that a training script may well set. fp64 never uses TF32, so the merge does not depend on them,
+    and its result is at least as close to the exact sum as the CPU's fp32 one. The rank-r GEMM is
+    memory-bound, so fp64 costs little.
+    """
+    device = weight.device
+    out_features, in_features = weight.shape
+    merged = torch.empty(weight.shape, dtype=dtype or weight.dtype, device=device)
+    scaled_A = lora_A.to(device=device, dtype=torch.float64) * scaling
+    lora_B = lora_B.to(device=device, dtype=torch.float64)
+    rows = max(1, _DEVICE_CHUNK_BYTES // (8 * max(in_features, 1)))
+    for start in range(0, out_features, rows):
+        stop = min(start + rows, out_features)
+        merged[start:stop] = torch.addmm(weight[start:stop].double(), lora_B[start:stop], scaled_A)
     return merged
 
 
@@ -140,6 +177,8 @@ def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None, *, g
     Merges run on a small thread pool at most `_LOOKAHEAD` modules ahead of the consumer, so extra
     memory is bounded by a few modules. Tensors shared with an earlier one (tied embeddings) are
     skipped, as `save_pretrained` does. Non-LoRA tensors are yielded as they are when already in `dtype`.
+    Each tensor is on the device its weight lives on (a GPU's tensors stay there): whoever serializes
+    them moves them to the CPU (`graft.lora.export`, `graft.lora.stream_write`).
 
     Args:
         model: a PeftModel (LoRA merged in) or a plain HF model (its weights as they are: full mode).

@@ -81,8 +81,14 @@ def _header(shard: Layout) -> tuple[bytes, dict[str, int]]:
     return struct.pack("<Q", len(text)) + text, offsets
 
 
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's data as bytes in host memory: a tensor on a GPU is copied to the CPU first."""
+    return tensor.detach().to(device="cpu").contiguous().view(-1).view(torch.uint8).numpy().data
+
+
 def write_streamed_shards(stream: TensorStream, paths: list[Path], shards: list[Layout]) -> None:
-    """Write `stream` into the files `paths`, one per entry of `shards` (`plan_shards`), one tensor at a time.
+    """Write `stream` into the files `paths`, one per entry of `shards` (`plan_shards`), one tensor at a
+    time; a tensor on another device (a GPU's merged weight) is copied to the CPU as it is written.
 
     Raises:
         ValueError: a tensor is not the one the layout announced (name, shape or dtype), or the
@@ -100,6 +106,6 @@ def write_streamed_shards(stream: TensorStream, paths: list[Path], shards: list[
                     raise ValueError(f"tensor stream does not match its layout: expected {(name, shape, dtype)}, "
                                      f"got {got}")
                 f.seek(len(header) + offsets[name])
-                f.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                f.write(_host_bytes(tensor))
     if next(tensors, None) is not None:
         raise ValueError("tensor stream runs past its layout")

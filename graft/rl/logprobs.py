@@ -107,7 +107,8 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
         model: A Hugging Face causal LM (or a PeftModel of one).
         input_ids_BT: Token ids; right padding needs no ``position_ids`` (HF's ``arange`` is right).
         attention_mask_BT: 1/0 mask for a padded batch; None for unpadded rows (HF's default).
-        positions_K: Increasing positions to score; None = every position but the last.
+        positions_K: Increasing positions to score; None = every position but the last. Moved to
+            ``input_ids_BT``'s device (the model's) if it is elsewhere.
         with_entropy: Also compute each scored position's entropy.
         chunk_tokens: Positions per LM-head chunk; None = ``DEFAULT_CHUNK_ELEMENTS // vocab``.
         position_ids_BT: For packed rows (``graft.rl.packing.pack``): positions restarting at 0 per
@@ -122,6 +123,7 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
     t = input_ids_BT.shape[1]
     if positions_K is None:
         positions_K = torch.arange(max(t - 1, 0), device=input_ids_BT.device)
+    positions_K = positions_K.to(device=input_ids_BT.device)  # index_copy below needs it beside the ids
     targets_BK = next_token_targets(input_ids_BT)[:, positions_K]
     head = model.get_output_embeddings()
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // head.weight.shape[0])

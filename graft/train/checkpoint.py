@@ -10,8 +10,10 @@ A checkpoint directory holds:
     trainer_state.json       the trainer's own counters (step, policy_version, data cursor, ...)
 
 Tensors go to safetensors and everything else to JSON, so loading a checkpoint never runs code from
-the file. Directories are written through `atomic_dir`, so a crash leaves either the previous
-checkpoint set or the new one; `latest_checkpoint` also skips temporary and incomplete directories.
+the file. Tensors are written from CPU copies (the model may be on a GPU) and loaded back onto the
+device of the parameter they belong to, whichever device saved them. Directories are written
+through `atomic_dir`, so a crash leaves either the previous checkpoint set or the new one;
+`latest_checkpoint` also skips temporary and incomplete directories.
 """
 
 from __future__ import annotations
@@ -191,9 +193,9 @@ def _optimizer_files(model: peft.PeftModel, optimizer: torch.optim.Optimizer) ->
 
 def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON value for `value`; tensors go to `tensors[key]` and leave {"tensor": key}, tuples {"tuple": [...]}."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):  # on the parameter's device (a GPU): safetensors writes host memory
         value = value.detach()
-        tensors[key] = full_tensor(value).cpu().contiguous()
+        tensors[key] = full_tensor(value).to(device="cpu").contiguous()
         return {"tensor": key}
     if isinstance(value, tuple):  # e.g. AdamW's betas: restored as a tuple so state_dict() compares equal
         return {"tuple": [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]}
@@ -257,12 +259,17 @@ def _check_same_names(saved: set[str], ours: set[str], where: str) -> None:
 
 
 def _placed(value: Any, param: torch.Tensor, where: str) -> Any:
-    """A full state tensor shaped like `param`, sharded like it when it is a DTensor (a collective)."""
+    """A full state tensor shaped like `param`, on its device (the file's tensors are on the CPU, the
+    parameter on a GPU when there is one), sharded like it when it is a DTensor (a collective).
+
+    Scalars stay where they are: AdamW's `step` lives on the CPU unless the optimizer is fused or
+    capturable, and `Optimizer.load_state_dict` moves it to the parameter's device in exactly those cases.
+    """
     if not isinstance(value, torch.Tensor) or value.ndim == 0:
-        return value  # e.g. AdamW's step: a plain scalar tensor on every rank
+        return value
     if value.shape != param.shape:
         raise CheckpointError(f"{where} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
-    return shard_like(value, param)
+    return shard_like(value.to(device=param.device), param)
 
 
 # --- LoRA config, files ------------------------------------------------------------------------------
@@ -327,6 +334,8 @@ def _read_rng(path: Path) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
     if cpu is None or cpu.dtype != torch.uint8 or cpu.shape != torch.get_rng_state().shape:
         raise CheckpointError(f"{path / RNG_TENSORS}: no valid torch_cpu generator state")
     cuda = [tensors[f"cuda/{i}"] for i in range(len(tensors)) if f"cuda/{i}" in tensors]
+    if any(state.dtype != torch.uint8 or state.ndim != 1 for state in cuda):
+        raise CheckpointError(f"{path / RNG_TENSORS}: a cuda/N generator state is not a 1-D uint8 tensor")
     meta = _read_json(path / RNG_META)
     try:
         version, internal, gauss_next = meta["python_random"]

@@ -247,3 +247,19 @@ def test_unsupported_peft_option_is_rejected(saved_adapter, tiny_model_dirs, tmp
     broken = _broken_copy(saved_adapter[1], tmp_path, use_dora)
     with pytest.raises(AdapterError, match="unsupported LoRA option.*use_dora"):
         load_adapter(load_model(tiny_model_dirs["qwen2"]), broken)
+
+
+@pytest.mark.gpu
+def test_an_adapter_saved_from_a_cuda_model_loads_into_a_cuda_model(tiny_model_dirs, tmp_path, input_ids):
+    trained = trained_like_peft_model(tiny_model_dirs["qwen2"]).cuda()
+    path = save_adapter(trained, tmp_path / "adapter", dtype=torch.float32)
+    saved = safetensors.torch.load_file(path / ADAPTER_WEIGHTS)
+    assert saved.keys() and all(tensor.device.type == "cpu" for tensor in saved.values())
+
+    fresh = attach_lora(load_model(tiny_model_dirs["qwen2"]), rank=8, alpha=16, seed=5).cuda()
+    load_adapter_weights(fresh, path)
+    for name, param in lora_parameters(fresh).items():
+        assert param.device.type == "cuda", name
+        assert torch.equal(param, lora_parameters(trained)[name]), name
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=input_ids.cuda()).logits, trained(input_ids=input_ids.cuda()).logits)

@@ -283,3 +283,35 @@ def test_export_to_an_existing_file_is_a_clean_error(tiny_model_dirs, adapter_di
     assert _export(tiny_model_dirs["qwen2"], adapter_dirs["qwen2"], tmp_path / "merged") == 2
     assert capsys.readouterr().err.startswith("graft: error: ")
     assert (tmp_path / "merged").read_text() == "a file"
+
+
+# --- a model on a GPU ----------------------------------------------------------------------------
+
+def _read_shards(out_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(out_dir.glob("*.safetensors")):
+        tensors.update(safetensors.torch.load_file(file))
+    return tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streamed", [True, False], ids=["tensor-stream", "save_file"])
+def test_merged_weights_of_a_cuda_model_are_written_from_cpu_copies(tiny_model_dirs, tmp_path, monkeypatch, streamed):
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"]).cuda()
+    expected = {name: tensor.cpu() for name, tensor in iter_merged_weights(model, torch.bfloat16)}
+    devices = []
+    save_file = safetensors.torch.save_file
+
+    def recording_save_file(tensors, *args, **kwargs):
+        devices.extend(tensor.device.type for tensor in tensors.values())
+        return save_file(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save_file)
+    weights = iter_merged_weights(model, torch.bfloat16)
+    stream = TensorStream(merged_layout(model, torch.bfloat16), weights) if streamed else weights
+    write_safetensors_shards(stream, tmp_path, max_shard_bytes=1 << 16)
+
+    written = _read_shards(tmp_path)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], tensor) for name, tensor in expected.items())
+    assert devices == ([] if streamed else ["cpu"] * len(expected))

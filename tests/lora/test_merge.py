@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from graft.lora import merge
 from graft.lora.attach import ADAPTER_NAME, lora_modules
 from graft.lora.merge import _ROWS_PER_CHUNK, iter_merged_weights, merge_weight
 from graft.models.loading import load_model
@@ -126,6 +127,75 @@ def test_merge_weight_output_dtype(weight_dtype, dtype, expected):
     assert merged.dtype == expected
     # The value is the fp32 merge rounded once to `expected`.
     assert torch.equal(merged, merge_weight(weight, lora_A, lora_B, 2.0, dtype=torch.float32).to(expected))
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+def _random_inputs(out_features: int = 700, in_features: int = 48, rank: int = 8):
+    generator = torch.Generator().manual_seed(out_features)
+    return (torch.randn(out_features, in_features, generator=generator),
+            torch.randn(rank, in_features, generator=generator) * 0.1,
+            torch.randn(out_features, rank, generator=generator) * 0.1, 2.0)
+
+
+def test_merge_weight_runs_on_the_weights_device_with_the_lora_factors_moved_there():
+    weight, lora_A, lora_B, scaling = _random_inputs()
+    merged = merge_weight(weight.to("meta"), lora_A, lora_B, scaling, dtype=torch.bfloat16)
+    assert merged.device.type == "meta" and merged.shape == weight.shape and merged.dtype == torch.bfloat16
+
+
+def test_merge_weight_refuses_lora_factors_that_hold_no_data_rather_than_mixing_devices():
+    weight, lora_A, lora_B, scaling = _random_inputs()
+    with pytest.raises(NotImplementedError, match="meta"):
+        merge_weight(weight, lora_A.to("meta"), lora_B, scaling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_accelerator_merge_is_the_exact_sum_rounded_once_in_every_chunk(monkeypatch, dtype):
+    """The GPU path's arithmetic, run here on CPU tensors: fp64 leaves nothing but the final rounding."""
+    inputs = _random_inputs()
+    monkeypatch.setattr(merge, "_DEVICE_CHUNK_BYTES", 8 * 48 * 100)  # 100-row chunks, the last one partial
+    merged = merge._merge_on_device(*inputs, dtype)
+    assert merged.dtype == dtype and torch.equal(merged, _exact_merge(*inputs).to(dtype))
+
+
+def _cuda_inputs(inputs):
+    weight, lora_A, lora_B, scaling = inputs
+    return weight.cuda(), lora_A.cuda(), lora_B.cuda(), scaling
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_merge_is_the_exact_sum_rounded_once_whatever_the_tf32_switches(dtype, weight_dtype):
+    weight, lora_A, lora_B, scaling = _random_inputs(out_features=4096, in_features=1024, rank=16)
+    inputs = (weight.to(weight_dtype), lora_A, lora_B, scaling)
+    expected = _exact_merge(*inputs).to(dtype)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            merged = merge_weight(*_cuda_inputs(inputs), dtype=dtype)
+            assert merged.device.type == "cuda" and merged.dtype == dtype
+            assert torch.equal(merged.cpu(), expected), f"allow_tf32={tf32}"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.gpu
+def test_merged_weights_of_a_cuda_peft_model_stay_on_the_gpu_and_equal_the_exact_merge(tiny_model_dirs):
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"])
+    on_cpu = dict(iter_merged_weights(model, torch.bfloat16))
+    exact = {f"{name.removeprefix('base_model.model.')}.weight": _exact_merge(*_module_inputs(module))
+             for name, module in lora_modules(model)}
+    model.cuda()
+    on_cuda = list(iter_merged_weights(model, torch.bfloat16))
+    assert [name for name, _ in on_cuda] == list(on_cpu)
+    for name, tensor in on_cuda:
+        assert tensor.device.type == "cuda" and tensor.dtype == torch.bfloat16, name
+        want = exact[name].to(torch.bfloat16) if name in exact else on_cpu[name]  # no LoRA: the weight as it is
+        assert torch.equal(tensor.cpu(), want), name
+    assert exact.keys() <= on_cpu.keys() and exact
 
 
 # --- names ---------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Merged sync against the session's real vLLM server (fp32 tiny qwen2).
+"""Merged sync against the session's real vLLM server (fp32 tiny qwen2), and on a GPU against the
+in-process reference engine.
 
 Every test leaves the server serving the original base weights with no adapter loaded.
 """
@@ -8,13 +9,15 @@ import asyncio
 import pytest
 import torch
 
-from graft.lora.attach import lora_parameters
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.models.loading import load_model
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.vllm.client import VllmClient
+from graft.sync.guard import check_finite_policy
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
-from graft.sync.verify import verify_delivery
-from tests.helpers import trained_like_peft_model
+from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
+from tests.helpers import randomize_lora, trained_like_peft_model
 from tests.sync.common import FP32_TOLERANCE, greedy
 
 
@@ -58,3 +61,29 @@ def test_merged_sync_serves_the_merged_policy_and_never_touches_the_base(vllm_se
 
 def result_path(publisher, version):
     return next(v.path for v in publisher.versions("merged") if v.version == version)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_sync_of_a_cuda_policy_into_a_cuda_reference_engine(base_dir, tmp_path, dtype):
+    """The trainer's policy on the GPU (a bf16 base keeps fp32 LoRA weights): merged on the GPU, written
+    from CPU copies, reloaded by an engine on the GPU, and verified like any other sync."""
+    model = attach_lora(load_model(base_dir, dtype=dtype), rank=8, alpha=16, seed=0)
+    randomize_lora(model, 1)
+    model.cuda()
+    assert {p.dtype for p in lora_parameters(model).values()} == {torch.float32}
+    before = _base_weights(model)
+    publisher = WeightPublisher(tmp_path / "weights", keep_versions=2)
+    engine = ReferenceEngine(base_dir, dtype=dtype, device="cuda")
+    tolerance = DEFAULT_TOLERANCE[dtype]
+
+    async def scenario():
+        base_tokens = await greedy(engine)
+        check_finite_policy(model, 1)
+        result = await MergedSync(engine, publisher, dtype=getattr(torch, dtype)).sync(model, 1, 1)
+        assert result.mode == "merged" and result.bytes > 0
+        assert await greedy(engine) != base_tokens
+        assert await verify_delivery(engine, model, adapter=None, tolerance=tolerance) <= tolerance
+        assert all(torch.equal(before[n], p) for n, p in _base_weights(model).items())
+
+    asyncio.run(scenario())

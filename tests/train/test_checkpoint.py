@@ -237,3 +237,61 @@ def test_fsdp2_checkpoints_load_across_world_sizes(tiny_model_dirs, tmp_path):
     assert got.keys() == expected.keys()
     _assert_same(got, expected)  # the shards' gradients are averaged over identical batches: exact
     assert fresh_optimizer.param_groups[1]["lr"] == 2e-2 and fresh_optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def _assert_state_on(model, optimizer, device_type: str) -> None:
+    """Parameters and per-parameter optimizer state on `device_type`; AdamW's scalar step on the CPU."""
+    for name, param in lora_parameters(model).items():
+        assert param.device.type == device_type, name
+        for key, value in optimizer.state[param].items():
+            assert value.device.type == ("cpu" if key == "step" else device_type), (name, key)
+
+
+def test_a_checkpoint_resumes_onto_the_device_of_the_loading_model(tiny_model_dirs, tmp_path):
+    """Saved from CPU tensors, restored into a model elsewhere (meta here: a device without data)."""
+    model, optimizer = _setup(tiny_model_dirs["qwen2"])
+    _train(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, model, optimizer, STATE, step=2)
+
+    elsewhere, _ = _setup(tiny_model_dirs["qwen2"], seed=1)
+    elsewhere.to("meta")
+    optimizer = _adamw(elsewhere)
+    assert load_checkpoint(path, elsewhere, optimizer) == STATE
+    _assert_state_on(elsewhere, optimizer, "meta")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_checkpoints_move_between_cpu_and_cuda_and_resume_bit_identically(tiny_model_dirs, tmp_path, saved_on,
+                                                                           loaded_on):
+    def on(device: str, seed: int):
+        model, _ = _setup(tiny_model_dirs["qwen2"], seed=seed)
+        model.to(device)
+        return model, _adamw(model)
+
+    model, optimizer = on(saved_on, 0)
+    _train_on(model, optimizer, 3, saved_on)
+    path = save_checkpoint(tmp_path, model, optimizer, STATE, step=3)
+    written = safetensors.torch.load_file(path / OPTIMIZER_TENSORS)
+    assert written and all(tensor.device.type == "cpu" for tensor in written.values())
+    saved = {n: {k: v.to("cpu", copy=True) for k, v in s.items()} for n, s in _named_state(model, optimizer).items()}
+    cuda_draw = torch.cuda.get_rng_state()
+    _train_on(model, optimizer, 2, saved_on)
+    expected = {n: p.cpu() for n, p in _params(model).items()}
+
+    model, optimizer = on(loaded_on, 1)
+    load_checkpoint(path, model, optimizer)
+    _assert_state_on(model, optimizer, loaded_on)
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_draw)
+    _assert_same({n: {k: v.cpu() for k, v in s.items()} for n, s in _named_state(model, optimizer).items()}, saved)
+    if saved_on == loaded_on:  # another device computes the next steps with other roundings
+        _train_on(model, optimizer, 2, loaded_on)
+        assert all(torch.equal(p.cpu(), expected[n]) for n, p in _params(model).items())
+
+
+def _train_on(model, optimizer, steps: int, device: str) -> None:
+    batch = _batch().to(device)
+    for _ in range(steps):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
