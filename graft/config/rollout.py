@@ -17,6 +17,10 @@ class RolloutConfig(Section):
     engine: Literal["vllm", "sglang", "reference"] = Field(
         "vllm", description="Inference engine that samples rollouts; 'reference' is the in-process HF sampler."
     )
+    reference_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the in-process reference engine (rollout.engine 'reference') runs: 'auto' = the "
+        "GPU when torch sees one, else the CPU; 'cuda' fails at startup without a GPU. Other engines ignore it."
+    )
     urls: list[str] = Field(
         default_factory=list, description="Base URLs of running inference servers; empty = graft launches its own."
     )

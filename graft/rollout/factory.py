@@ -114,7 +114,8 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
     """
     rollout = config.rollout
     if rollout.engine == "reference":
-        yield ReferenceEngine(config.require_model_path("load the model"), dtype=config.model.dtype)
+        yield ReferenceEngine(config.require_model_path("load the model"), dtype=config.model.dtype,
+                              device=rollout.reference_device)
         return
     api_key = resolve_api_key(rollout)
     async with contextlib.AsyncExitStack() as stack:

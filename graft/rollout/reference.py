@@ -78,17 +78,40 @@ def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, gener
     return int(torch.multinomial(probs_V, 1, generator=generator))  # renormalises the kept mass
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device `device` names; "auto" is the GPU when torch sees one, else the CPU.
+
+    Raises:
+        ValueError: a CUDA device is asked for and torch sees none (a CPU-only torch, or no GPU).
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"the reference engine's device is {str(device)!r} but torch sees no CUDA device "
+                         "(set rollout.reference_device to 'auto' or 'cpu')")
+    return device
+
+
 class ReferenceEngine:
     """`RolloutEngine` in-process with transformers + PEFT. Async methods compute synchronously.
+
+    Everything the engine computes with lives on `device`: the base, every adapter (PEFT loads it
+    there), the prompt ids, the sampling generator; weights read from files (CPU tensors) are moved
+    there explicitly. Only token ids and log-probs come back, as Python numbers.
 
     Args:
         model_path: a local HF model directory (config, safetensors, tokenizer).
         dtype: dtype of the base weights ("float32" by default, the reference precision).
-        device: torch device to run on.
+        device: torch device to run on, or "auto" (see `resolve_device`).
+
+    Raises:
+        ValueError: see `resolve_device`.
     """
 
-    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu") -> None:
-        self._device = torch.device(device)
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32",
+                 device: str | torch.device = "cpu") -> None:
+        self._device = resolve_device(device)
         self._base = load_model(model_path, dtype).to(self._device).eval()
         self._tokenizer = load_tokenizer(model_path)
         self._peft: peft.PeftModel | None = None
@@ -99,6 +122,11 @@ class ReferenceEngine:
         if self._tokenizer.eos_token_id is not None:
             eos.append(self._tokenizer.eos_token_id)
         self._eos_ids = frozenset(eos)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's weights live and its forwards run."""
+        return self._device
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -255,7 +283,7 @@ class ReferenceEngine:
 
         Names are plain HF names (what `graft export` writes); under PEFT the base weights of
         adapted modules sit at `<module>.base_layer.<param>` and are matched to `<module>.<param>`.
-        Tensors are cast to the engine's dtype. Adapters stay loaded. Nothing is cached across
+        Tensors are cast to the engine's dtype and moved to its device. Adapters stay loaded. Nothing is cached across
         requests here, so there is no prefix cache to drop.
 
         Raises:

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 from huggingface_hub import constants
 
 from graft.config import ConfigError, load_config
@@ -202,6 +203,19 @@ def test_reference_engine_from_config(base_dir, tmp_path):
             out = await engine.generate([GenerateRequest((1, 2, 3), SamplingParams(temperature=0, max_new_tokens=4,
                                                                                    ignore_eos=True))])
             assert len(out[0][0].token_ids) == 4
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_the_reference_engine_runs_where_rollout_reference_device_says(base_dir, tmp_path, device):
+    config = load_config(None, [f"model.path={base_dir}", "rollout.engine=reference",
+                                f"rollout.reference_device={device}"])
+    expected = "cuda" if device == "auto" and torch.cuda.is_available() else "cpu"
+
+    async def scenario():
+        async with open_engine(config, tmp_path) as engine:
+            assert engine.device.type == expected
 
     asyncio.run(scenario())
 

@@ -27,7 +27,7 @@ from graft.rollout.engine import (
     SamplingParams,
     UnknownAdapterError,
 )
-from graft.rollout.reference import ReferenceEngine, sample_token
+from graft.rollout.reference import ReferenceEngine, resolve_device, sample_token
 from tests.helpers import trained_like_peft_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
@@ -295,3 +295,38 @@ def test_reload_mismatch_is_rejected_and_changes_nothing(dirs, prompt, tmp_path)
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     assert generate(engine, prompt=prompt) == [base]
     assert generate(engine, prompt=prompt, adapter="a-v1") == [adapted]
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+def test_auto_device_is_the_gpu_when_torch_sees_one():
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there to be asked for")
+def test_asking_for_cuda_without_a_gpu_names_the_setting(dirs):
+    with pytest.raises(ValueError, match="rollout.reference_device"):
+        ReferenceEngine(dirs["base"], device="cuda")
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_serves_base_adapters_and_reloaded_weights_like_the_trainer(dirs, prompt):
+    engine = ReferenceEngine(dirs["base"], device="auto")
+    assert engine.device.type == "cuda"
+    base_model = load_model(dirs["base"])
+    [base] = generate(engine, prompt=prompt)
+    assert close(base.logprobs, sequence_logprobs(base_model, prompt, base.token_ids), tol=1e-4)  # CPU forward
+    assert close(base.logprobs, sequence_logprobs(base_model.cuda(), prompt, base.token_ids))  # same device
+
+    run(engine.load_adapter("a-v1", str(dirs["A"])))
+    [adapted] = generate(engine, prompt=prompt, adapter="a-v1")
+    peft_model = load_adapter(load_model(dirs["base"]), dirs["A"]).cuda()
+    assert close(adapted.logprobs, sequence_logprobs(peft_model, prompt, adapted.token_ids))
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=12, seed=7)
+    assert generate(engine, params, prompt, adapter="a-v1") == generate(engine, params, prompt, adapter="a-v1")
+
+    run(engine.unload_adapter("a-v1"))
+    run(engine.reload_weights(str(dirs["merged_A"])))
+    [merged] = generate(engine, prompt=prompt)
+    assert merged.token_ids == adapted.token_ids and close(merged.logprobs, adapted.logprobs, tol=1e-4)
