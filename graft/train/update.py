@@ -235,7 +235,8 @@ def _rewards_with_kl(rewards_PG: torch.Tensor, cache: _LogprobCache, whole_plan:
     kl_B = [0.0] * rewards_PG.numel()
     for r in {r for micros in whole_plan for rows, weight in micros if weight for r in rows}:
         kl_B[r] = sequence_kl(cache.old[r], cache.ref[r], cache.counted_mask(r), train.kl_estimator).item()
-    penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_B), dtype=rewards_PG.dtype).view_as(rewards_PG)
+    penalty_PG = train.kl_coef * torch.tensor(ctx.sum(kl_B), dtype=rewards_PG.dtype,
+                                              device=rewards_PG.device).view_as(rewards_PG)
     return rewards_PG - penalty_PG, {"reward_kl_penalty": penalty_PG.mean().item()}
 
 
