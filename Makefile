@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: venv sglang-venv quickstart test clean
+.PHONY: venv sglang-venv quickstart test gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ quickstart: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# One CUDA GPU: prove graft there in at most 10 minutes, with a pass/fail table (runs/gpu-check/).
+# Runs from the source tree with the machine's own torch/transformers/peft (GPU_PYTHON) and installs
+# only what that python lacks; GPU_CHECK_ARGS="--wheels DIR" installs from wheels on a box offline.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

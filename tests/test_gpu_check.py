@@ -1,0 +1,42 @@
+"""`make gpu-check`'s script, tried on the CPU (`--allow-cpu`) so that it cannot rot between GPU runs:
+a check that passes, one that fails (the table says FAIL and the script exits 1), and the refusal
+without a GPU."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_a_gpu_the_check_refuses_in_one_line(gpu_check, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("graft: error: gpu-check needs a CUDA GPU")
+
+
+def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = gpu_check.main(["--allow-cpu", "--out", str(tmp_path), "--skip", "tests,train", "--steps", "1",
+                           "--bench-args=--no-such-flag"])
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    status = {row["check"]: row["status"] for row in report["checks"]}
+    assert status == {"tiny model": "pass", "resume (first part)": "pass", "resume": "pass", "export": "pass",
+                      "update bench": "FAIL"}
+    table = (tmp_path / "gpu-check.md").read_text()
+    assert code == 1 and table.startswith("4 of 5 checks passed") and "| update bench | FAIL |" in table
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run-resume" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "exported" / "config.json").exists()
