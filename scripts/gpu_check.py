@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = Checks(args.out, env, timeout_s=args.timeout)
     if "tests" not in skip:
         checks.run("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                 "--continue-on-collection-errors",
                                  "-rs", str(ROOT / "tests")], timeout_s=300)
     base = args.out / "tiny-base"
     if not base.exists():

@@ -71,8 +71,11 @@ def test_saved_dtype_defaults_to_the_base_dtype_and_is_configurable(tiny_model_d
     assert next(iter(lora_parameters(model).values())).dtype == torch.float32  # PEFT keeps LoRA in fp32
     save_adapter(model, tmp_path / "default")
     save_adapter(model, tmp_path / "fp32", dtype=torch.float32)
-    assert {t.dtype for t in safetensors.torch.load_file(tmp_path / "default" / ADAPTER_WEIGHTS).values()} == {torch.bfloat16}
-    assert {t.dtype for t in safetensors.torch.load_file(tmp_path / "fp32" / ADAPTER_WEIGHTS).values()} == {torch.float32}
+    def dtypes(adapter_dir):
+        return {t.dtype for t in safetensors.torch.load_file(adapter_dir / ADAPTER_WEIGHTS).values()}
+
+    assert dtypes(tmp_path / "default") == {torch.bfloat16}
+    assert dtypes(tmp_path / "fp32") == {torch.float32}
 
 
 def test_save_refuses_to_overwrite_and_a_failed_save_leaves_nothing(saved_adapter, tmp_path, monkeypatch):
@@ -204,7 +207,8 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_adapter_into_existing_model_is_rejected_and_model_unchanged(saved_adapter, tiny_model_dirs, tmp_path, case):
+def test_bad_adapter_into_existing_model_is_rejected_and_model_unchanged(saved_adapter, tiny_model_dirs, tmp_path,
+                                                                         case):
     edit, message = BAD_INPUTS[case]
     broken = _broken_copy(saved_adapter[1], tmp_path, edit)
     model = trained_like_peft_model(tiny_model_dirs["qwen2"], seed=7)

@@ -106,8 +106,9 @@ def test_the_update_never_holds_more_than_one_chunk_of_float32_vocab_logits():
                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
     model = attach_lora(base, rank=4, alpha=8, seed=0)
     g = torch.Generator().manual_seed(0)
-    sequences = [(torch.randint(3, vocab, (12,), generator=g).tolist(), torch.randint(3, vocab, (n,), generator=g).tolist())
-                 for n in (40, 25, 40, 31)]  # 136 completion tokens: 8.5 chunks
+    # 136 completion tokens: 8.5 chunks
+    sequences = [(torch.randint(3, vocab, (12,), generator=g).tolist(),
+                  torch.randint(3, vocab, (n,), generator=g).tolist()) for n in (40, 25, 40, 31)]
     batch = RolloutBatch(sequences, [[-5.0] * len(c) for _, c in sequences], torch.tensor([[0.0, 1.0], [1.0, 0.5]]),
                          version=0, seconds=0.0)
     config = load_config(None, [f"train.logit_chunk_tokens={chunk}", "train.kl_coef=0.05", "train.entropy_coef=0.01",
