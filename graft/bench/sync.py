@@ -91,7 +91,10 @@ def build_base(shape: ModelShape, out: Path) -> Path:
 
 
 def save_fsync(tensors: dict[str, torch.Tensor], path: Path) -> int:
-    """`safetensors.save_file` + fsync: what any publish must at least do. Returns tensor bytes."""
+    """`safetensors.save_file` + fsync: what any publish must at least do. Returns tensor bytes. Tensors
+    on a GPU are copied to the CPU first, as every graft writer does (merged weights stay on the
+    base's device)."""
+    tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
     safetensors.torch.save_file(tensors, path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
