@@ -149,3 +149,37 @@ def test_a_signal_during_server_start_up_acts_at_once(base_dir, tmp_path, sig, c
     (log,) = (run_dir / "logs").glob("vllm-*.log")
     assert "Application startup complete" not in log.read_text()  # stopped before it ever served
     assert "Traceback" not in stderr_path.read_text()
+
+
+@pytest.mark.vllm
+def test_a_sigtermed_run_on_a_users_server_leaves_only_its_last_version_loaded(vllm_server, base_dir, tmp_path):
+    """A user's server outlives the run: SIGTERM mid-run unloads the older versions of the retention
+    window on the way out and leaves the newest one served (a server keeps serving the last good
+    version; the next run with this lora.name unloads it)."""
+    import asyncio
+    import json
+
+    from graft.rollout.vllm.client import VllmClient
+
+    overrides = [f"model.path={base_dir}", f"rollout.urls=[{vllm_server.url}]", "lora.name=stopped",
+                 "sync.keep_versions=3", "rollout.max_lora_rank=8", "train.steps=10000", "train.batch_prompts=2",
+                 "rollout.n_samples=2", "rollout.max_new_tokens=4", "train.eval_examples=2"]
+    command = [sys.executable, "-m", "graft.cli", "train", "--run-dir", str(tmp_path / "run")]
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        trainer = subprocess.Popen(command + [a for o in overrides for a in ("-o", o)], stdout=subprocess.DEVNULL,
+                                   stderr=stderr_file)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=60) == 143, (tmp_path / "stderr").read_text()[-2000:]
+
+    async def served_then_unload():
+        async with VllmClient(vllm_server.url) as client:
+            served = await client.list_adapters()
+            for name in served:  # the suite's server must be left clean
+                await client.unload_adapter(name)
+            return served
+
+    served = asyncio.run(served_then_unload())
+    last = max(json.loads(line)["policy_version"] for line in metrics.read_text().splitlines())
+    assert len(served) == 1 and int(served[0].rsplit("-v", 1)[1]) >= last, served

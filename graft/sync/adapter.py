@@ -198,22 +198,24 @@ class AdapterSync:
         """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""
         return [n for n in await self._engine.list_adapters() if adapter_version(self._lora_name, n) is not None]
 
-    async def close(self) -> None:
-        """Unload every version graft loaded, best effort (failures are logged and counted).
+    async def close(self, keep_current: bool = False) -> None:
+        """Unload every version graft loaded, best effort (failures are logged and counted); with
+        `keep_current`, every one but the current version, which the engine goes on serving.
 
-        `current` becomes None at once; versions with running requests are unloaded when those
-        finish, and close returns after that.
+        Without `keep_current`, `current` becomes None at once; versions with running requests are
+        unloaded when those finish, and close returns after that.
         """
         async with self._lock:
-            self._current = None
-            await self._retire(list(self._loaded), set())
+            kept = {self._current} if keep_current else set()
+            self._current = self._current if keep_current else None
+            await self._retire([v for v in self._loaded if v not in kept], set())
             pending = list(self._unloading.values())
             if pending:
                 self._log.info("waiting for in-flight requests on version(s) %s before unloading them",
                                sorted(self._unloading))
                 await asyncio.gather(*pending)
-            if self._loaded:
-                self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in self._loaded])
+            if failed := [v for v in self._loaded if v not in kept]:
+                self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
 
     # -- retirement --------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class PolicySync:
         """Forget published versions >= `version` on disk, before (re)publishing from `version`."""
         self.mode.discard_from(version)
 
-    async def close(self) -> None:
-        """Leave the engines clean (adapter mode unloads what graft loaded)."""
-        await self.mode.close()
+    async def close(self, keep_current: bool = False) -> None:
+        """Leave the engines clean (adapter mode unloads what graft loaded; `keep_current`: all but
+        the version served now)."""
+        await self.mode.close(keep_current)

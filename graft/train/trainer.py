@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,9 @@ from graft.train.rollout_batch import RolloutBatch
 from graft.train.staleness import RolloutProducer
 
 __all__ = ["ResumeError", "RunDirError", "train"]
+
+# How long a run that stops early spends unloading its older adapter versions (a few HTTP calls).
+_EXIT_UNLOAD_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -92,9 +96,10 @@ class _Leader:
                         progress.update(bar, completed=step, reward=reward, sync=sync_seconds)
                     await self._checked()
             self.log.add_eval(train.steps, await self._evaluate())
-            # Only a finished run unloads its adapters: after an error the engines keep serving the
-            # last good version; the next run with this lora.name unloads what is left (graft.sync.adapter).
             await sync.close()
+        except BaseException:
+            await self._leave_last_good_served()
+            raise
         finally:
             if self._checking is not None:  # the run failed with a check pending: nobody reads it
                 self._checking.check.add_done_callback(lambda check: check.cancelled() or check.exception())
@@ -102,6 +107,16 @@ class _Leader:
             self.log.close()
         return {"accuracy_before": self.log.accuracy_at(0), "accuracy_after": self.log.accuracy_at(train.steps),
                 "steps": train.steps, "resumed_from": first_step - 1}
+
+    async def _leave_last_good_served(self) -> None:
+        """A run that did not finish (an error, Ctrl-C, SIGTERM) leaves its last good version served,
+        as a server must keep serving it, and unloads the older versions of its retention window, so
+        a user's server does not hold them until the next run with this lora.name (which unloads the
+        last one, graft.sync.adapter). Best effort and bounded: the server may be why the run stopped."""
+        try:
+            await asyncio.wait_for(self.sync.close(keep_current=True), _EXIT_UNLOAD_TIMEOUT_S)
+        except (Exception, asyncio.CancelledError) as error:  # the run's own error is the one to report
+            logging.getLogger(__name__).warning("older adapter versions may still be loaded: %r", error)
 
     async def _step(self, step: int, producer: RolloutProducer) -> tuple[float, float]:
         """Batch → update → sync → checkpoint, the sync's delivery check left running (its metrics

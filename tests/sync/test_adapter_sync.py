@@ -91,6 +91,24 @@ def test_keep_versions_2_keeps_exactly_the_newest_2(tmp_path, peft_model):
     run(main())
 
 
+def test_closing_with_keep_current_unloads_all_but_the_version_served_now(tmp_path, peft_model):
+    """What a run that stops early leaves on a shared server: its last good version, nothing older."""
+    engine = RecordingEngine(others=("someone-else",))
+    sync, _, _ = make_sync(engine, tmp_path, keep=3, max_loras=4)
+
+    async def main():
+        for v in range(1, 4):
+            await sync.sync(peft_model, v, step=v)
+        assert engine.graft_adapters() == names([1, 2, 3])
+        await sync.close(keep_current=True)
+        assert engine.graft_adapters() == names([3]) and current_adapter(sync) == "graft-v3"
+        assert sync.loaded == [3] and "someone-else" in engine.adapters
+        await sync.close()
+        assert engine.graft_adapters() == names([]) and current_adapter(sync) is None
+
+    run(main())
+
+
 def test_a_version_in_use_is_unloaded_only_when_its_request_finishes(tmp_path, peft_model):
     engine = RecordingEngine()
     engine.generate_s = 0.05
