@@ -97,7 +97,11 @@ class BadRequestError(EngineError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What every backend implements. Adapter names are `<lora.name>-v<N>` (see graft.sync)."""
+    """What every backend implements. Adapter names are `<lora.name>-v<N>` (see graft.sync).
+
+    Optional: `async adapter_paths() -> dict[str, str]`, each loaded adapter's source path, where the
+    server reports it (vLLM): how a run tells a live run's adapters from an ended one's
+    (graft.sync.owner)."""
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         """For each request, `params.n` completions from the base model (adapter None) or the

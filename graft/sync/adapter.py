@@ -20,7 +20,9 @@ Before the first sync, adapters named `<lora.name>-v*` that this run did not loa
 (one warning line names them): they are what a killed or failed run with the same `lora.name`
 left on a server the user runs, and would otherwise make this run's load of the same version
 fail with "has already been loaded" (the rerun and `--resume` were blocked until a manual unload).
-`lora.name` is the run's identity on the server: two live runs must not share it.
+`lora.name` is the run's identity on the server: two live runs must not share it, and a run that
+finds another live run's adapters under its name refuses to start (`graft.sync.owner`) rather than
+unload them.
 
 Retiring a version: if `InFlightVersions` counts no request on it, it is unloaded at once;
 otherwise a background task waits for `inflight.wait_idle(v)` and unloads it then, as soon as its
@@ -45,11 +47,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from graft.lora.adapter_io import write_adapter_files
 from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
 from graft.rollout.pool import EnginePool, PoolBroadcastError
 from graft.sync.inflight import InFlightVersions
+from graft.sync.owner import LoraNameInUseError, PublishRootLease, live_owner
 from graft.sync.publish import WeightPublisher, read_version
 from graft.sync.result import SyncResult
 from graft.sync.source import Policy, policy_source
@@ -108,6 +112,7 @@ class AdapterSync:
         self._stale_unloaded = False  # what an earlier run left loaded was unloaded (first sync)
         self._unloading: dict[int, asyncio.Task] = {}  # retired versions waiting for their requests
         self._lock = asyncio.Lock()  # sync and close run one at a time
+        self._lease = PublishRootLease(publisher.root)  # held from the first sync to close
         self.unload_failures = 0  # total; each SyncResult carries those since the previous one
         self._failures_reported = 0
 
@@ -145,6 +150,7 @@ class AdapterSync:
         """
         async with self._lock:
             if not self._stale_unloaded:
+                self._lease.claim()
                 await self._unload_stale()
                 self._stale_unloaded = True
             start = time.perf_counter()
@@ -185,6 +191,7 @@ class AdapterSync:
                        key=lambda n: adapter_version(self._lora_name, n))
         if not stale:
             return
+        await self._refuse_a_live_owner(stale)
         self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
                           len(stale), self._lora_name, ", ".join(stale))
         for name in stale:
@@ -193,6 +200,26 @@ class AdapterSync:
             except EngineError as error:
                 if not _already_gone(error):
                     raise
+
+    async def _refuse_a_live_owner(self, names: list[str]) -> None:
+        """Raise LoraNameInUseError if a live run loaded any of `names` (module docstring)."""
+        for name, path in (await self._adapter_paths()).items():
+            if name in names and Path(path).parent != self.publisher.root and (holder := live_owner(path)):
+                raise LoraNameInUseError(
+                    f"lora.name {self._lora_name!r} is in use on {getattr(self._engine, 'address', 'the engine')} by "
+                    f"a live run ({holder}; its adapters are in {Path(path).parent}): give this run another lora.name")
+
+    async def _adapter_paths(self) -> dict[str, str]:
+        """Adapter name -> the path an engine loaded it from, where engines say (vLLM); else empty."""
+        engines = self._engine.engines if isinstance(self._engine, EnginePool) else [self._engine]
+        paths: dict[str, str] = {}
+        for engine in engines:
+            if hasattr(engine, "adapter_paths"):
+                try:
+                    paths.update(await engine.adapter_paths())
+                except EngineError:  # a dead pool member holds nobody's adapters
+                    continue
+        return paths
 
     async def engine_adapters(self) -> list[str]:
         """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""
@@ -216,6 +243,7 @@ class AdapterSync:
                 await asyncio.gather(*pending)
             if failed := [v for v in self._loaded if v not in kept]:
                 self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
+            self._lease.release()
 
     # -- retirement --------------------------------------------------------------------------------
 

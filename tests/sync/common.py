@@ -71,6 +71,9 @@ class RecordingEngine:
     async def list_adapters(self) -> list[str]:
         return list(self.adapters)
 
+    async def adapter_paths(self) -> dict[str, str]:
+        return dict(self.adapters)
+
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         for _ in range(2):  # the adapter must be there when the request starts and when it ends
             if adapter is not None and adapter not in self.adapters:

@@ -1,11 +1,13 @@
 """AdapterSync under faults: a failed unload is counted and retried, an adapter already gone is
 forgotten, adapters a killed run left are unloaded before the first load, and a version changed on
-disk after publishing is never loaded."""
+disk after publishing is never loaded, and a live run's adapters under the same lora.name are never
+unloaded: the newcomer refuses."""
 
 import logging
 
 import pytest
 
+from graft.sync.owner import LoraNameInUseError
 from tests.sync.common import RecordingEngine, current_adapter, make_sync, names, run
 
 
@@ -23,6 +25,47 @@ def test_adapters_a_killed_run_left_are_unloaded_before_the_first_load(tmp_path,
         assert set(engine.adapters) == {"policy-v1", "policy-v2", "policy-vx", "other-v1"}
         await sync.close()
         assert set(engine.adapters) == {"policy-vx", "other-v1"}  # not names graft makes: left alone
+
+    run(main())
+
+
+def test_a_live_run_using_the_same_lora_name_is_refused_not_unloaded(tmp_path, peft_model):
+    """Run A is live (it holds its publish root); run B, same lora.name on the same server, refuses
+    with one message naming A and leaves A's adapters alone. Once A is gone (here: its lease dropped
+    as the kernel drops it for a killed process), its leftovers are unloaded as before."""
+    engine = RecordingEngine()
+    run_a, _, _ = make_sync(engine, tmp_path / "a", keep=2, lora_name="policy")
+    run_b, _, _ = make_sync(engine, tmp_path / "b", keep=2, lora_name="policy")
+
+    async def main():
+        await run_a.sync(peft_model, 1, step=1)
+        await run_a.sync(peft_model, 2, step=2)
+        with pytest.raises(LoraNameInUseError, match=r"lora.name 'policy' is in use on fake by a live run \(pid "):
+            await run_b.sync(peft_model, 1, step=1)
+        assert engine.graft_adapters("policy") == {"policy-v1", "policy-v2"}
+        assert not any(call.startswith("unload") for call in engine.calls)
+        run_a._lease.release()  # run A killed
+        run_b._stale_unloaded = False
+        await run_b.sync(peft_model, 1, step=1)
+        assert engine.graft_adapters("policy") == {"policy-v1"}
+        assert engine.adapters["policy-v1"].startswith(str(tmp_path / "b"))
+        await run_b.close()
+
+    run(main())
+
+
+def test_two_runs_publishing_into_one_root_are_refused(tmp_path, peft_model):
+    engine = RecordingEngine()
+    run_a, _, _ = make_sync(engine, tmp_path, keep=2, lora_name="policy")
+    run_b, _, _ = make_sync(RecordingEngine(), tmp_path, keep=2, lora_name="policy")
+
+    async def main():
+        await run_a.sync(peft_model, 1, step=1)
+        with pytest.raises(LoraNameInUseError, match="is in use by a live run"):
+            await run_b.sync(peft_model, 2, step=2)
+        await run_a.close()  # the lease goes with the run
+        await run_b.sync(peft_model, 2, step=2)
+        await run_b.close()
 
     run(main())
 

@@ -89,3 +89,26 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
     assert len(served) >= cycles  # generation really ran alongside the syncs
     assert len(set(served)) > cycles // 2  # ... on many versions, as they became current
     assert growth_mb < 300
+
+
+@pytest.mark.vllm
+def test_a_second_live_run_with_the_same_lora_name_is_refused_on_vllm(vllm_server, base_dir, tmp_path):
+    """vLLM's /v1/models names each adapter's path: the second run finds the first one's publish root
+    held by a live run and refuses, leaving its adapter served."""
+    from graft.sync.owner import LoraNameInUseError
+
+    model = trained_like_peft_model(base_dir, rank=8, seed=0)
+
+    async def main():
+        async with VllmClient(vllm_server.url) as client:
+            first, _, _ = make_sync(client, tmp_path / "first", keep=2, lora_name="shared")
+            second, _, _ = make_sync(client, tmp_path / "second", keep=2, lora_name="shared")
+            await first.sync(model, 1, step=1)
+            assert (await client.adapter_paths())["shared-v1"].startswith(str(tmp_path / "first"))
+            with pytest.raises(LoraNameInUseError, match="'shared' is in use on .* by a live run"):
+                await second.sync(model, 1, step=1)
+            assert await client.list_adapters() == ["shared-v1"]
+            await first.close()
+            assert await client.list_adapters() == []
+
+    run(main())

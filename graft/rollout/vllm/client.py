@@ -83,6 +83,12 @@ def adapter_names(models_body: dict) -> list[str]:
     return [entry["id"] for entry in models_body["data"] if entry.get("parent") is not None]
 
 
+def adapter_paths(models_body: dict) -> dict[str, str]:
+    """Loaded adapter name -> the path it was loaded from, in a `GET /v1/models` body (vLLM names it `root`)."""
+    return {entry["id"]: entry["root"] for entry in models_body["data"]
+            if entry.get("parent") is not None and entry.get("root")}
+
+
 def _naming_path(error: EngineError, path: str | os.PathLike) -> EngineError:
     """`error` again, with `path` appended: vLLM replaces paths in its messages by "<path>"."""
     return type(error)(f"{error.server_message} [path: {path}]", address=error.address, status=error.status)
@@ -226,6 +232,11 @@ class VllmClient:
 
     async def list_adapters(self) -> list[str]:
         return adapter_names((await self._call("GET", "/v1/models")).json())
+
+    async def adapter_paths(self) -> dict[str, str]:
+        """Loaded adapter name -> the path it was loaded from (how `graft.sync.owner` finds an
+        adapter's run); an optional engine capability, vLLM's alone."""
+        return adapter_paths((await self._call("GET", "/v1/models")).json())
 
     async def reload_weights(self, path: str | os.PathLike) -> None:
         """Replace the base weights with the safetensors model at `path` and reset the prefix cache.
