@@ -41,7 +41,8 @@ class ModelConfig(Section):
 
 class LoraConfig(Section):
     name: str = Field(
-        "graft", description="Adapter name; engines see versions as '<name>-v<N>'. The single source of that name."
+        "graft", description="Adapter name; engines see versions as '<name>-v<N>'. The single source of that name, "
+        "and the run's identity on a shared server: a run refuses to start where a live run uses the same name."
     )
     rank: int = Field(8, ge=1, description="LoRA rank r (inner dimension of the A/B factors).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
