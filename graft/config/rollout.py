@@ -42,6 +42,12 @@ class RolloutConfig(Section):
         "of a 25M model from 11.2 to 7.0 s a step (step 27.6 -> 24.8 s) and made a 0.7M model's step "
         "2.31 -> 2.60 s (its generation is not compute-bound). Ignored with a GPU."
     )
+    gpu_memory_utilization: Literal["auto"] | float = Field(
+        "auto", description="A vLLM server graft launches on a GPU: the fraction of the GPU's memory "
+        "it may take (vLLM --gpu-memory-utilization; vLLM refuses to start when less than that is free). 'auto': "
+        "90% of what is free when it starts, since the trainer already holds its model on the same GPU (vLLM's "
+        "own default, 0.92 of the whole GPU, cannot start beside it). Ignored on the CPU."
+    )
     max_model_len: int | None = Field(
         2048, ge=1, description="Context length (prompt + completion tokens) of the server graft launches "
         "(vLLM --max-model-len, SGLang --context-length); null = the model's own limit from its config.json. "
@@ -82,6 +88,13 @@ class RolloutConfig(Section):
     @classmethod
     def _check_cpu_reserved_cores(cls, v: Any) -> Any:
         return auto_or_count(v)
+
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _check_gpu_memory_utilization(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
+            return v
+        raise ValueError(f"must be 'auto' or a fraction in (0, 1] (got {v!r})")
 
     def resolved_cpu_reserved_cores(self, model_parameters: int) -> int | None:
         """Cores a launched vLLM-CPU server keeps off generation; None = vLLM's default (see the field)."""

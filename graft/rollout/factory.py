@@ -53,8 +53,21 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
         model=str(model_dir), cpu_reserved_cores=rollout.resolved_cpu_reserved_cores(checkpoint_parameters(model_dir)),
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
-        tensor_parallel_size=rollout.tensor_parallel_size,
+        tensor_parallel_size=rollout.tensor_parallel_size, gpu_memory_utilization=_gpu_share(rollout),
         dev_endpoints=syncs and config.sync.reloads_weights, log_dir=Path(run_dir) / "logs")
+
+
+def _gpu_share(rollout) -> float | None:
+    """`rollout.gpu_memory_utilization` resolved: 'auto' = 90% of the GPU's free memory now, as a
+    fraction of the whole (the trainer's model is already there); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if rollout.gpu_memory_utilization != "auto":
+        return rollout.gpu_memory_utilization
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    return round(0.9 * free_bytes / total_bytes, 2)
 
 
 async def require_weight_reload(urls: list[str]) -> None:

@@ -97,6 +97,19 @@ def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tm
     assert split.tensor_parallel_size == 2
 
 
+def test_a_launched_vllm_on_the_trainers_gpu_takes_a_share_of_what_is_free(base_dir, tmp_path, monkeypatch):
+    """vLLM refuses to start when less than --gpu-memory-utilization of the GPU is free, and its
+    default (0.92) never is beside the trainer's model: 'auto' asks for 90% of what is free."""
+    import torch
+
+    assert launch_config(load_config(None, [f"model.path={base_dir}"]), tmp_path).gpu_memory_utilization is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 80 * 2**30))  # the trainer holds 20 GiB
+    assert launch_config(load_config(None, [f"model.path={base_dir}"]), tmp_path).gpu_memory_utilization == 0.68
+    fixed = load_config(None, [f"model.path={base_dir}", "rollout.gpu_memory_utilization=0.3"])
+    assert launch_config(fixed, tmp_path).gpu_memory_utilization == 0.3
+
+
 def test_launch_config_gives_generation_every_core_on_policy_from_10m_parameters(base_dir, tmp_path, monkeypatch):
     def reserved(*overrides, parameters):
         monkeypatch.setattr(factory, "checkpoint_parameters", lambda model_dir: parameters)
