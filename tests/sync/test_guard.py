@@ -2,6 +2,7 @@
 in the forward, is refused before it reaches an engine, which keeps serving the last good version."""
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def test_a_nonfinite_policy_is_never_published(base_dir, tmp_path, how, words):
         _poison(model, how)
         with pytest.raises(NonFinitePolicyError, match=rf"version 2 .*{words}.*keep serving the last good"):
             await sync(model, 2, step=2)
-        return await engine.list_adapters(), sorted(p.name for p in (tmp_path / "weights").iterdir())
+        published = sorted(p.name for p in (tmp_path / "weights").iterdir() if p.name != ".owner")
+        return await engine.list_adapters(), published
 
     adapters, on_disk = asyncio.run(scenario())
     assert adapters == ["p-v1"]  # still served
@@ -49,3 +51,31 @@ def test_the_check_leaves_the_model_in_its_mode_and_draws_no_random_numbers(base
     state = torch.get_rng_state()
     check_finite_policy(model, 1)
     assert model.training and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("how, error", [("nan", "contains NaN or infinite values"),
+                                        ("huge", "non-finite logits on a probe prompt.*refused before any server")])
+def test_graft_eval_refuses_a_nonfinite_adapter_in_one_line_before_any_server(base_dir, tmp_path, capsys, how,
+                                                                               error):
+    """What poisoned a shared vLLM-CPU server (graft.sync.guard): an adapter of 1e20 entries. The URL
+    points nowhere: the refusal must come before graft talks to any server."""
+    from graft.cli import main
+    from graft.lora.adapter_io import save_adapter
+
+    model = trained_like_peft_model(base_dir)
+    _poison(model, how)
+    save_adapter(model, tmp_path / "adapter")
+    capsys.readouterr()  # the model's loading above
+    code = main(["eval", "-o", f"model.path={base_dir}", "-o", "rollout.urls=[http://127.0.0.1:9]",
+                 "--adapter", str(tmp_path / "adapter"), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("graft: error: ")
+    assert re.search(error, err[0]), err[0]
+
+
+def test_a_finite_adapter_passes_the_probe(base_dir, tmp_path):
+    from graft.lora.adapter_io import save_adapter
+    from graft.sync.guard import check_finite_adapter_dir
+
+    save_adapter(trained_like_peft_model(base_dir), tmp_path / "adapter")
+    check_finite_adapter_dir(base_dir, "float32", tmp_path / "adapter")
