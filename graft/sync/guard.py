@@ -5,10 +5,11 @@ engine), poisons a shared vLLM-CPU server beyond its own requests. Measured (vLL
 model, every LoRA entry 1e20): the adapter's request fails ("Out of range float values are not JSON
 compliant"), and so does the next request of ANY adapter or of the base model that is given the
 KV-cache block it freed (of three concurrent base requests right after it, exactly one failed; the
-same with vLLM's own LoRA ops, so graft's grouped ops are not the cause). The attention reads the
-reused block's stale infinite keys and values at positions it masks out, and 0 x inf is NaN; a
-poisoned request writes NaN into its own blocks in turn, which is how the failures outlive the
-adapter's unload. That is vLLM's to fix (zeroing or masking stale blocks); graft makes sure no such
+same with vLLM's own LoRA ops, so graft's grouped ops are not the cause). That points at the KV
+cache: the attention of a request given a reused block meets the overflowed request's stale
+infinite keys and values at positions it masks out (0 x inf is NaN), and a poisoned request writes
+NaN into its own blocks in turn, which would let the failures outlive the adapter's unload (as a
+fault-injection run saw). That is vLLM's to fix; graft makes sure no such
 adapter is ever loaded: before every sync the trainer's copy is checked (every LoRA tensor finite,
 and the logits of a fixed probe prompt finite: one forward of 24 tokens), and an adapter from disk
 (`graft eval --adapter`) gets the same probe on the base before any server starts. A refused
