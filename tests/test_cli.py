@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from graft.cli import build_parser, main
 
-COMMANDS = ["tiny-model", "export", "config", "bench", "train", "eval", "serve", "quickstart"]
+COMMANDS = ["tiny-model", "export", "config", "bench", "train", "eval", "serve", "quickstart", "verify"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -82,12 +82,12 @@ async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str 
     if gap > tolerance:
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
                             f"on the probe prompt, serving {adapter or 'the base model name'}: "
-                            f"the engine is not serving the published policy{_dtype_hint(gap, tolerance)}",
+                            f"the engine is not serving the published policy{dtype_hint(gap, tolerance)}",
                             address=address, gap=gap)
     return gap
 
 
-def _dtype_hint(gap: float, tolerance: float) -> str:
+def dtype_hint(gap: float, tolerance: float) -> str:
     """A float32 tolerance failed by a gap a bfloat16 engine would give (measured: 0.002 on the tiny
     model served by `graft serve`'s default dtype): name the likely cause."""
     bf16 = DEFAULT_TOLERANCE["bfloat16"]

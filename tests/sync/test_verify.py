@@ -73,11 +73,11 @@ def test_verification_checks_only_the_live_members_of_a_pool(base_dir):
 
 
 def test_a_small_gap_under_a_float32_tolerance_names_dtype_as_the_likely_cause():
-    from graft.sync.verify import _dtype_hint
+    from graft.sync.verify import dtype_hint
 
-    assert "graft serve --dtype float32" in _dtype_hint(0.002, 1e-3)  # measured: bf16 engine, fp32 trainer
-    assert _dtype_hint(3.0, 1e-3) == ""  # far too large for rounding: wrong weights, not dtype
-    assert _dtype_hint(0.5, 0.1) == ""  # already a bfloat16 tolerance
+    assert "graft serve --dtype float32" in dtype_hint(0.002, 1e-3)  # measured: bf16 engine, fp32 trainer
+    assert dtype_hint(3.0, 1e-3) == ""  # far too large for rounding: wrong weights, not dtype
+    assert dtype_hint(0.5, 0.1) == ""  # already a bfloat16 tolerance
 
 
 def test_a_member_that_stops_serving_during_the_check_is_dropped_unless_too_few_would_stay(base_dir):
