@@ -6,16 +6,35 @@ between the engine's log-probs and the trainer's on the same tokens. So after ea
 expected adapter must be listed (adapter mode), then the engine answers a fixed probe prompt
 greedily and the trainer teacher-forces the engine's tokens; the largest per-token log-prob gap is
 the step's `sync_logprob_abs_diff_max`. Above the tolerance the sync fails (or warns, if so configured).
+
+A failure names its likely cause where the engine's answer shows one: the engine's log-probs are
+compared with what the usual ways of failing to deliver an adapter would serve, each a variant of
+the trainer's model teacher-forced the same way (`suspects`): the base model alone (the adapter
+loaded but never applied, or never requested), the adapter with its scaling applied twice (an engine
+that scales lora_B in place and again after a reload), and the adapter without one target module (a
+module that never reached the engine). Else a gap of bf16 rounding names the dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from graft.rollout.engine import EngineError, EngineUnavailableError, GenerateRequest, RolloutEngine, SamplingParams
+import peft
+from peft.tuners.lora import LoraLayer
+
+from graft.lora.attach import ADAPTER_NAME, adapter_disabled
+from graft.rollout.engine import (
+    Completion,
+    EngineError,
+    EngineUnavailableError,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+)
 from graft.rollout.pool import EnginePool, engine_address
-from graft.sync.source import Policy, PolicySource, policy_source
+from graft.sync.source import ModelSource, Policy, PolicySource, policy_source
 
 # A fixed probe: token ids every tokenizer of a real model has; long enough to cross a KV block.
 PROBE_PROMPT = tuple(range(3, 3 + 24))
@@ -77,14 +96,33 @@ async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str 
         raise DeliveryError(f"adapter {adapter!r} is not loaded (the sync did not deliver it)", address=address)
     params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
     completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
-    trainer_logprobs = source.logprobs(probe, completion.token_ids)
-    gap = max(abs(a - b) for a, b in zip(completion.logprobs, trainer_logprobs))
+    gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
     if gap > tolerance:
+        cause = likely_cause(source, probe, completion, tolerance)
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
                             f"on the probe prompt, serving {adapter or 'the base model name'}: "
-                            f"the engine is not serving the published policy{dtype_hint(gap, tolerance)}",
+                            f"the engine is not serving the published policy{'; ' + cause if cause else ''}",
                             address=address, gap=gap)
     return gap
+
+
+def logprob_gap(served: Sequence[float], local: Sequence[float]) -> float:
+    """The largest per-token |served - local| log-prob difference."""
+    return max(abs(a - b) for a, b in zip(served, local))
+
+
+def likely_cause(source: PolicySource, probe: Sequence[int], completion: Completion, tolerance: float) -> str:
+    """Why the engine's `completion` of `probe` is off, where a suspect matches it within `tolerance`
+    (module docstring); "" when none does. Only a model held whole in this process is varied: an
+    FSDP2 run's forwards are collectives the other ranks would not join."""
+    if isinstance(source, ModelSource) and isinstance(source.model, peft.PeftModel):
+        for cause, state in suspects(source.model):
+            with state():
+                if logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids)) <= tolerance:
+                    return cause
+    gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
+    return dtype_hint(gap, tolerance).removeprefix("; ")
+
 
 
 def dtype_hint(gap: float, tolerance: float) -> str:
@@ -96,3 +134,35 @@ def dtype_hint(gap: float, tolerance: float) -> str:
     return (f"; a gap this small (under the bfloat16 tolerance {bf16:g}) is what an engine serving bfloat16 weights "
             "gives under model.dtype float32: start the server with `graft serve --dtype float32` (vLLM --dtype "
             "float32) or set model.dtype to the engine's dtype")
+
+
+@contextlib.contextmanager
+def _scaled(model: peft.PeftModel, factor: float, where: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
+    """The adapter's LoRA scaling times `factor` in the modules `where(name)` selects, for the body."""
+    layers = [module for name, module in model.named_modules() if isinstance(module, LoraLayer) and where(name)]
+    saved = [module.scaling[ADAPTER_NAME] for module in layers]
+    try:
+        for module in layers:
+            module.scaling[ADAPTER_NAME] *= factor
+        yield
+    finally:
+        for module, scaling in zip(layers, saved):
+            module.scaling[ADAPTER_NAME] = scaling
+
+
+def _target_kinds(model: peft.PeftModel) -> list[str]:
+    """The adapter's target module kinds (q_proj, up_proj, ...), in model order."""
+    kinds = [name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    return list(dict.fromkeys(kinds))
+
+
+def suspects(model: peft.PeftModel) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager]]]:
+    """(likely cause, the local model's state that would serve it) for each way of failing to deliver."""
+    found = [("the server answers with the base model: the adapter is not applied (loaded but never requested, "
+              "or its modules matched nothing)", lambda: adapter_disabled(model)),
+             ("the server applies the adapter's scaling twice (lora_B scaled in place, then again)",
+              lambda: _scaled(model, 2.0))]
+    for kind in _target_kinds(model):
+        found.append((f"the server applies the adapter without its {kind} LoRA (that module never reached it)",
+                      lambda kind=kind: _scaled(model, 0.0, lambda name: name.rsplit(".", 1)[-1] == kind)))
+    return found

@@ -98,3 +98,28 @@ def test_a_member_that_stops_serving_during_the_check_is_dropped_unless_too_few_
     strict = EnginePool([ReferenceEngine(base_dir), Dying("http://dying:8000")], min_engines=2)
     with pytest.raises(EngineUnavailableError, match="fewer than min_engines=2"):
         asyncio.run(verify_delivery(strict, policy, adapter=None, tolerance=FP32_TOLERANCE))
+
+
+@pytest.mark.parametrize(("edit", "cause"), [
+    (lambda name, t: t * 0 if "lora_B" in name else t, "answers with the base model"),
+    (lambda name, t: t * 2 if "lora_B" in name else t, "applies the adapter's scaling twice"),
+    (lambda name, t: t * 0 if "v_proj.lora_B" in name else t, "without its v_proj LoRA"),
+])
+def test_a_failed_delivery_check_names_the_likely_cause(base_dir, tmp_path, edit, cause):
+    """The engine holds a wrongly delivered copy of the trainer's adapter under the name requests use."""
+    import safetensors.torch
+
+    from graft.lora.adapter_io import ADAPTER_WEIGHTS, save_adapter
+    from graft.rollout.reference import ReferenceEngine
+
+    model = trained_like_peft_model(base_dir, rank=8, seed=3)
+    save_adapter(model, tmp_path / "sent")
+    tensors = safetensors.torch.load_file(tmp_path / "sent" / ADAPTER_WEIGHTS)
+    safetensors.torch.save_file({k: edit(k, t) for k, t in tensors.items()}, tmp_path / "sent" / ADAPTER_WEIGHTS)
+    engine = ReferenceEngine(base_dir)
+
+    async def check():
+        await engine.load_adapter("graft-v1", str(tmp_path / "sent"))
+        with pytest.raises(DeliveryError, match=cause):
+            await verify_delivery(engine, model, adapter="graft-v1", tolerance=1e-3)
+    asyncio.run(check())
