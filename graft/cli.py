@@ -13,6 +13,7 @@ from pathlib import Path
 from graft import __version__
 from graft.bench.commands import add_bench_command
 from graft.quickstart.command import add_quickstart_command
+from graft.sync.verify_command import add_verify_command
 
 
 def _quiet_libraries() -> None:
@@ -99,35 +100,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
           f"({result['examples']} examples, greedy)")
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    """`graft verify`: exit 0 when the server serves exactly the adapter, 1 when not (one line)."""
-    import asyncio
-
-    from graft.lora.adapter_io import load_adapter
-    from graft.models.loading import load_model
-    from graft.rollout.factory import HTTP_CLIENTS
-    from graft.sync.guard import check_finite_adapter_dir
-    from graft.sync.served_adapter import verify_served_adapter
-    from graft.sync.verify import DEFAULT_TOLERANCE
-
-    api_key = None
-    if args.api_key_env is not None and not (api_key := os.environ.get(args.api_key_env)):
-        raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
-    check_finite_adapter_dir(args.base, args.dtype, args.adapter)  # before the server sees it (graft.sync.guard)
-    model = load_adapter(load_model(args.base, args.dtype), args.adapter)
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-
-    async def check():
-        async with HTTP_CLIENTS[args.engine](args.url, api_key=api_key) as engine:
-            if args.load:
-                await engine.load_adapter(args.name, str(Path(args.adapter).resolve()))
-            return await verify_served_adapter(engine, model, args.name, tolerance)
-
-    verdict = asyncio.run(check())
-    print(verdict.line(), file=sys.stdout if verdict.passed else sys.stderr)
-    return 0 if verdict.passed else 1
 
 
 def _serve_server(args: argparse.Namespace):
@@ -223,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_command(sub)
     _add_serve_command(sub)
     _add_model_command(sub)
-    _add_verify_command(sub)
+    add_verify_command(sub)
     add_quickstart_command(sub)
     return parser
 
@@ -300,27 +272,6 @@ def _add_eval_command(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     p.add_argument("--run-dir", default="runs/eval", help="where engine logs go (default runs/eval)")
     p.set_defaults(func=cmd_eval)
-
-
-def _add_verify_command(sub) -> None:
-    p = sub.add_parser("verify", help="does a running vLLM/SGLang server serve exactly this LoRA adapter?",
-                       description="For adapters trained by any framework: the server answers a fixed probe "
-                                   "prompt greedily under --name, the adapter applied to --base here teacher-forces "
-                                   "the answer, and the largest log-prob gap decides. Exit 0: served exactly; 1: "
-                                   "not (one line: the gap and the likely cause, e.g. base model served, scaling "
-                                   "applied twice, a module missing); 2: bad input.")
-    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--base", required=True, help="the base model's HF directory (what the server serves)")
-    p.add_argument("--adapter", required=True, metavar="DIR", help="the PEFT LoRA adapter directory")
-    p.add_argument("--name", required=True, help="the adapter's name on the server (what requests name)")
-    p.add_argument("--load", action="store_true", help="load the adapter under --name first")
-    p.add_argument("--engine", choices=sorted(("vllm", "sglang")), default="vllm")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the dtype the server computes in (vLLM --dtype; default float32)")
-    p.add_argument("--tolerance", type=float, help="largest allowed log-prob gap (default: 1e-3 for float32, "
-                                                   "0.1 for bfloat16)")
-    p.add_argument("--api-key-env", metavar="NAME", help="environment variable holding the server's API key")
-    p.set_defaults(func=cmd_verify)
 
 
 def _add_serve_command(sub) -> None:

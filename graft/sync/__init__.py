@@ -5,5 +5,8 @@ publish   atomic, versioned, manifest-verified weight directories under RUN_DIR/
 inflight  which policy versions running requests still use (never unload one of those)
 adapter   adapter mode: load `<lora.name>-v<N>`, unload versions outside the retention window
 merged    merged/full mode: write merged weights, reload them into the engines
-verify    delivery verification: the engine serves exactly the trainer's policy
+verify    delivery verification: the engine serves exactly the trainer's policy (and the likely cause if not)
+guard     what never reaches a server: non-finite adapters, or finite ones whose forward overflows
+owner     the live run that uses a lora.name on a shared server (a flock on its publish root)
+served_adapter, verify_command   `graft verify`: the delivery check for any server and adapter
 """
