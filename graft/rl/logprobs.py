@@ -55,20 +55,54 @@ def token_logprobs_and_entropy(logits_xV: Tensor, tokens_x: Tensor, with_entropy
     return logprob_x, entropy_x
 
 
+class _ScoresFromLogits(torch.autograd.Function):
+    """``[N, 2]``: (log-prob of the target, entropy) from ``[N, V]`` logits, as
+    ``token_logprobs_and_entropy`` computes them, with a hand-written backward that keeps one
+    ``[N, V]`` float32 tensor (the log-softmax) instead of autograd's four (float copy, log-softmax,
+    its exp, their product) and builds the logits' gradient in place:
+    ``d logits = g_lp * (onehot - p) - g_ent * p * (log p + H)``. Measured on the 2-layer
+    Qwen2.5-0.5B shape (8 x 256 completion tokens): the head's elementwise ops took 5.5 of the
+    update's 38.7 profiled seconds through autograd."""
+
+    @staticmethod
+    def forward(ctx, logits_NV: Tensor, targets_N: Tensor, with_entropy: bool) -> Tensor:
+        logprobs_NV = logits_NV.float().log_softmax(dim=-1)
+        logprob_N = logprobs_NV.gather(dim=-1, index=targets_N.unsqueeze(-1)).squeeze(-1)
+        entropy_N = (-(logprobs_NV.exp() * logprobs_NV).sum(dim=-1) if with_entropy
+                     else torch.zeros_like(logprob_N))
+        ctx.save_for_backward(logprobs_NV, targets_N, entropy_N)
+        ctx.with_entropy, ctx.logits_dtype = with_entropy, logits_NV.dtype
+        return torch.stack((logprob_N, entropy_N), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_N2: Tensor):
+        logprobs_NV, targets_N, entropy_N = ctx.saved_tensors
+        grad_lp_N1, grad_ent_N1 = grad_N2[:, :1].float(), grad_N2[:, 1:].float()
+        grad_NV = logprobs_NV.exp()  # p
+        if ctx.with_entropy and bool(grad_ent_N1.any()):  # an entropy bonus: the entropy has a gradient
+            grad_NV.mul_((logprobs_NV + entropy_N[:, None]).mul_(grad_ent_N1).add_(grad_lp_N1))
+        else:
+            grad_NV.mul_(grad_lp_N1)
+        grad_NV.neg_().scatter_add_(-1, targets_N[:, None], grad_lp_N1)
+        return grad_NV.to(ctx.logits_dtype), None, None
+
+
 def _score_chunk(head_forward, hidden_NH: Tensor, targets_N: Tensor, with_entropy: bool) -> Tensor:
     """``[N, 2]``: (log-prob of the target, entropy) for a chunk of N positions; the ``[N, V]`` logits
-    live only inside this call."""
-    return torch.stack(token_logprobs_and_entropy(head_forward(hidden_NH), targets_N, with_entropy), dim=-1)
+    live only inside this call, and with gradients its log-softmax until the backward."""
+    return _ScoresFromLogits.apply(head_forward(hidden_NH), targets_N, with_entropy)
 
 
 def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entropy: bool,
-                  keep_BK: Tensor | None = None):
+                  keep_BK: Tensor | None = None, recompute: bool = True):
     """A stand-in for the LM head's forward: ``hidden_BKH -> [B, K, 2]`` scores, chunk by chunk.
 
     With ``keep_BK`` only those positions are scored (the rest stay 0): rows of a padded batch
-    share the columns ``K``, but each row needs only its own completion's. With gradients on, each
-    chunk is recomputed in the backward pass (``checkpoint``): only its hidden states are kept, so
-    the backward never holds more than one chunk's logits either.
+    share the columns ``K``, but each row needs only its own completion's. With gradients on and
+    ``recompute``, each chunk is recomputed in the backward pass (``checkpoint``): only its hidden
+    states are kept, so the backward never holds more than one chunk's logits either. Without
+    ``recompute`` each chunk keeps its ``[N, V]`` float32 log-softmax for the backward (V x 4 bytes
+    per scored position) and the head's matmul runs twice instead of three times.
     """
     def forward(hidden_BKH: Tensor) -> Tensor:
         b, k, h = hidden_BKH.shape
@@ -79,7 +113,7 @@ def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entr
         scores = [hidden_NH.new_zeros(0, 2, dtype=torch.float32)]
         for start in range(0, len(targets_N), chunk_tokens):
             chunk = (hidden_NH[start:start + chunk_tokens], targets_N[start:start + chunk_tokens])
-            if torch.is_grad_enabled() and hidden_NH.requires_grad:
+            if recompute and torch.is_grad_enabled() and hidden_NH.requires_grad:
                 scores.append(checkpoint(_score_chunk, head_forward, *chunk, with_entropy, use_reentrant=False))
             else:
                 scores.append(_score_chunk(head_forward, *chunk, with_entropy))
@@ -93,7 +127,7 @@ def _chunked_head(head_forward, targets_BK: Tensor, chunk_tokens: int, with_entr
 def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor | None = None, *,
                             positions_K: Tensor | None = None, with_entropy: bool = False,
                             chunk_tokens: int | None = None, position_ids_BT: Tensor | None = None,
-                            score_mask_BT: Tensor | None = None) -> TeacherForced:
+                            score_mask_BT: Tensor | None = None, recompute_head: bool = True) -> TeacherForced:
     """One forward of ``model`` over ``input_ids_BT``, scoring each position's next token.
 
     The LM head runs only at ``positions_K`` (e.g. those that predict a completion token), in chunks
@@ -119,6 +153,8 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
         score_mask_BT: Score only where True (within ``positions_K``; e.g. each row's completion
             positions): the LM head, the costliest per token at a real vocabulary, skips the other
             rows' positions in the shared columns; those stay 0.
+        recompute_head: With gradients, recompute each chunk's logits in the backward (the least
+            memory); False keeps each scored position's float32 log-softmax (V x 4 bytes) instead.
     """
     t = input_ids_BT.shape[1]
     if positions_K is None:
@@ -128,7 +164,8 @@ def teacher_forced_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_ma
     head = model.get_output_embeddings()
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // head.weight.shape[0])
     keep_BK = score_mask_BT[:, positions_K] if score_mask_BT is not None else None
-    with _head_forward_replaced(head, _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy, keep_BK)):
+    chunked = _chunked_head(head.forward, targets_BK, chunk_tokens, with_entropy, keep_BK, recompute_head)
+    with _head_forward_replaced(head, chunked):
         scores_BK2 = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT,
                            use_cache=False, logits_to_keep=positions_K).logits
     logprobs_BT = input_ids_BT.new_zeros(input_ids_BT.shape, dtype=torch.float32)

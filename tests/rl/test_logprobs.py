@@ -53,10 +53,13 @@ def _full_logits_formula(model, input_ids_BT, attention_mask_BT):
     return token_logprobs(logits_BTV, targets_BT), token_entropy(logits_BTV)
 
 
+@pytest.mark.parametrize("recompute_head", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [1, 3, None])
-def test_chunked_head_equals_the_full_logits_formula_values_and_lora_gradients(model, chunk_tokens):
+def test_chunked_head_equals_the_full_logits_formula_values_and_lora_gradients(model, chunk_tokens, recompute_head):
     """Log-probs, entropy and the LoRA gradients of a loss using both (an entropy bonus) equal the
-    unchunked formula's to 1e-6 in fp32, whatever the chunk size (1: every position its own chunk)."""
+    unchunked formula's to 1e-6 in fp32, whatever the chunk size (1: every position its own chunk),
+    the head's logits recomputed in the backward or its log-softmax kept (the hand-written backward
+    either way)."""
     input_ids_BT, attention_mask_BT, mask_BT = pad(SEQUENCES, "right", pad_id=0)
     params = [p for n, p in model.named_parameters() if ".lora_" in n]
 
@@ -67,7 +70,8 @@ def test_chunked_head_equals_the_full_logits_formula_values_and_lora_gradients(m
 
     positions_K = mask_BT.any(0).nonzero()[:, 0]
     new = loss_and_grads(*teacher_forced_logprobs(model, input_ids_BT, attention_mask_BT, positions_K=positions_K,
-                                                  with_entropy=True, chunk_tokens=chunk_tokens))
+                                                  with_entropy=True, chunk_tokens=chunk_tokens,
+                                                  recompute_head=recompute_head))
     old = loss_and_grads(*_full_logits_formula(model, input_ids_BT, attention_mask_BT))
     torch.testing.assert_close(new[0], old[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(new[1], old[1], atol=1e-6, rtol=1e-6)  # entropy ~ log V: relative
