@@ -82,8 +82,10 @@ def _graft_updates(spec: dict) -> dict:
     if spec.get("profile"):
         with UpdateProfile(spec["device"], Path(spec["profile"]) / "graft.txt"):
             policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     return {**result, "optimizer_steps": steps, "non_embedding_parameters": non_embedding_parameters(model),
-            "activation_checkpointing": model.is_gradient_checkpointing,
+            "activation_checkpointing": train.activation_checkpointing,
+            "checkpointed_layers": sum(bool(m.gradient_checkpointing) for m in layers),
             "lora_dtype": str(next(iter(lora_parameters(model).values())).dtype).removeprefix("torch.")}
 
 

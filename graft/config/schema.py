@@ -163,11 +163,14 @@ class TrainConfig(ObjectiveFields):
     logit_chunk_tokens: int | None = Field(
         None, ge=1, description="Token positions per LM-head chunk in the update (each chunk's fp32 logits are "
         "the only [tokens, vocab] tensor alive, forward and backward); null = about 64 MiB of logits per chunk.")
-    activation_checkpointing: bool = Field(
-        True, description="Keep only each decoder layer's input for the backward and recompute the rest: "
+    activation_checkpointing: Literal["auto"] | bool = Field(
+        "auto", description="Keep only each decoder layer's input for the backward and recompute the rest: "
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
-        "forward of each layer. On by default (as TRL's gradient_checkpointing): without it one micro-batch of "
-        "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB (docs/benchmarks.md).")
+        "forward of each layer (true: every layer, as TRL's gradient_checkpointing; without it one micro-batch of "
+        "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB, docs/benchmarks.md). auto: per "
+        "micro-batch, the activations kept for the backward may take a sixth of the memory available at start-up "
+        "(graft/train/parallelize.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
+        "the last layers go unchecked, the rest are checkpointed. Same results either way.")
     return_freed_memory: Literal["auto"] | bool = Field(
         "auto", description="Fix glibc's mmap threshold at 128 KiB so that freed activations go back to the OS "
         "(graft/train/cpu_tuning.py). auto: on for models of at least 100M parameters. Measured on 2 CPU cores: "

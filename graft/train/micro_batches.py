@@ -182,12 +182,18 @@ def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy
            ) -> tuple[Tensor, Tensor]:
     """`(logprobs_BC, entropy_BC)`: each sequence's completion-token log-probs (and entropies) as
     one row, whatever the layout. The LM head runs only at the positions that predict a completion
-    token (padded rows too: the columns are shared, the head skips other rows' positions)."""
+    token (padded rows too: the columns are shared, the head skips other rows' positions). With
+    gradients and `train.activation_checkpointing: auto`, the layers checkpointed and whether the head
+    recomputes its logits are fitted to this micro-batch (`graft.train.parallelize.ActivationMemory`)."""
     positions_K = micro.completion_mask_xT.any(dim=0).nonzero()[:, 0]
+    memory = getattr(model, "graft_activation_memory", None)
+    recompute_head = True
+    if memory is not None and torch.is_grad_enabled():
+        recompute_head = not memory.fit(micro.input_ids_xT.numel(), int(micro.completion_mask_xT.sum()))
     logprobs_xT, entropy_xT = teacher_forced_logprobs(
         model, micro.input_ids_xT, micro.attention_mask_xT, positions_K=positions_K, with_entropy=with_entropy,
         chunk_tokens=train.logit_chunk_tokens, position_ids_BT=micro.position_ids_xT,
-        score_mask_BT=micro.completion_mask_xT)
+        score_mask_BT=micro.completion_mask_xT, recompute_head=recompute_head)
     lens = micro.completion_lens
     return (completion_rows(logprobs_xT, micro.completion_mask_xT, lens),
             completion_rows(entropy_xT, micro.completion_mask_xT, lens))

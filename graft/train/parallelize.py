@@ -30,7 +30,9 @@ a replicated factor's gradient whole and identical on every TP rank; FSDP2 then 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -44,16 +46,16 @@ from graft.models.loading import model_dtype
 from graft.train.dist import Dist, mesh_device
 
 
-def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool | str = False) -> nn.Module:
     """Parallelise `model` on `ctx`'s mesh, in this order (torchtitan's):
 
     1. tensor parallelism over the mesh's `tp` dimension (`dist.tp` > 1; `apply_tp`): first, because
        its plan names the PEFT model's modules as they are (each LoRA layer's `base_layer`, `lora_A`,
        `lora_B` are still `nn.Linear`) and turns their weights into tp-sharded DTensors, which FSDP2
        then shards further over dp;
-    2. activation checkpointing per decoder layer (`apply_ac`): each layer keeps only its input for
-       the backward and recomputes the rest (its TP collectives included); before FSDP2, so each
-       sharded unit is a checkpointed layer;
+    2. activation checkpointing per decoder layer (`apply_ac`; "auto": as many layers as the memory
+       needs, per micro-batch): each layer keeps only its input for the backward and recomputes the
+       rest (its TP collectives included); before FSDP2, so each sharded unit is a checkpointed layer;
     3. compile — not used (an `apply_compile` would go here, before FSDP2, as in torchtitan);
     4. FSDP2 over the mesh's `dp` dimension (`apply_fsdp`): each decoder layer one unit, the rest the
        root (one data-parallel rank: nothing to shard), with the mixed-precision policy of the base's
@@ -63,7 +65,7 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool =
     if ctx.tp > 1:  # 1.
         apply_tp(model, ctx.mesh["tp"])
     if activation_checkpointing:  # 2.
-        apply_ac(model)
+        apply_ac(model, activation_checkpointing)
     # 3. compile: graft does not compile; `apply_compile(model)` would stand here.
     return apply_fsdp(model, ctx)  # 4.
 
@@ -197,11 +199,97 @@ class Rowwise(RowwiseParallel):
 
 # --- 2. activation checkpointing --------------------------------------------------------------------------
 
-def apply_ac(model: nn.Module) -> None:
-    """Checkpoint each decoder layer: HF's per-layer hook keeps module and parameter names unchanged
+# `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
+# log-softmax, then whole decoder layers) take this share of the memory available when the model is
+# set up (per rank on a shared host). Measured with `graft bench update` at the 24-layer
+# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, ~22 GiB available): TRL's update (gradient
+# checkpointing, fp32 logits of every completion token) peaked 4.4 GiB above the model; a sixth
+# (3.6 GiB) keeps graft under it.
+AUTO_MEMORY_FRACTION = 1 / 6
+_PROBE_TOKENS = 64
+
+
+def apply_ac(model: nn.Module, mode: bool | str = True) -> None:
+    """Checkpoint decoder layers: HF's per-layer hook keeps module and parameter names unchanged
     (PEFT keys, checkpoints); non-reentrant, so LoRA weights inside a layer get gradients although its
-    input needs none."""
+    input needs none. `mode` True: every layer; "auto": as many as `ActivationMemory.fit` decides per
+    micro-batch (the model's `graft_activation_memory`)."""
+    memory = ActivationMemory.measure(model) if mode == "auto" else None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if memory is not None:
+        memory.layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        model.graft_activation_memory = memory
+
+
+@dataclass
+class ActivationMemory:
+    """The activation memory `train.activation_checkpointing: auto` spends, and how.
+
+    A checkpointed layer keeps only its input and runs its forward again in the backward (a third
+    more of its compute); a kept layer holds `layer_bytes_per_token` per token until its backward.
+    The LM head's chunks recompute their logits the same way unless their float32 log-softmax is
+    kept (`head_bytes_per_token` per scored token). Per byte, keeping the head saves more compute
+    (its matmul is H x V per token; a layer's ~12 H^2 for ~(4 I + 7 H) x 4 bytes), so it goes first.
+    """
+
+    layer_bytes_per_token: float
+    head_bytes_per_token: int
+    budget_bytes: int
+    layers: list[nn.Module] = field(default_factory=list)
+
+    @classmethod
+    def measure(cls, model: nn.Module) -> ActivationMemory:
+        """Bytes one layer saves for the backward per token, counted on a short forward (the tensors
+        autograd saves, parameters aside), and the budget: `AUTO_MEMORY_FRACTION` of what is
+        available now."""
+        device = next(model.parameters()).device
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()  # a DTensor: its shard
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        training = model.training
+        model.train()  # dropout's masks count; its draws must not move the run's random stream
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=device), use_cache=False,
+                  logits_to_keep=1)
+        model.train(training)
+        layers = model.config.num_hidden_layers
+        head = model.get_output_embeddings().weight.shape[0] * 4  # float32 log-softmax
+        return cls(sum(saved.values()) / _PROBE_TOKENS / layers, head,
+                   int(available_memory_bytes(device) * AUTO_MEMORY_FRACTION))
+
+    def fit(self, tokens: int, scored_tokens: int) -> bool:
+        """Checkpoint the fewest decoder layers (the first ones: the last layers' activations are
+        freed first in the backward, before any recomputation) so that a micro-batch of `tokens`
+        laid-out tokens, `scored_tokens` of them scored by the head, keeps within the budget; whether
+        the head keeps its log-softmax (else it recomputes)."""
+        left = self.budget_bytes
+        keep_head = scored_tokens * self.head_bytes_per_token <= left
+        left -= keep_head * scored_tokens * self.head_bytes_per_token
+        kept = min(len(self.layers), int(left // max(tokens * self.layer_bytes_per_token, 1.0)))
+        for i, layer in enumerate(self.layers):
+            layer.gradient_checkpointing = i < len(self.layers) - kept
+        return keep_head
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of a GPU, or the host's available memory shared by the ranks on it
+    (`LOCAL_WORLD_SIZE`, torchrun's)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+        available = kib * 1024
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 # --- 4. FSDP2 ---------------------------------------------------------------------------------------------

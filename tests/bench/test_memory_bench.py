@@ -46,9 +46,9 @@ def test_trl_configurations_take_one_step_over_the_batch_and_differ_as_stated():
             assert args["max_steps"] == 1 and not args["bf16"] and args["num_generations"] == 8
         # TRL's defaults: its micro-batch of 8 and its gradient checkpointing (left unset = on).
         assert defaults["per_device_train_batch_size"] == 8 and "gradient_checkpointing" not in defaults
-        # graft's settings: checkpointing as graft's default, as many 640-token rows as graft's token budget holds
-        # among the sizes TRL accepts (divisors of the batch): 8 (12 would not divide 32).
-        assert graft_like["gradient_checkpointing"] is train.activation_checkpointing is True
+        # graft's settings: checkpointing on (graft's default, auto, checkpoints as its memory needs), as many
+        # 640-token rows as graft's token budget holds among the sizes TRL accepts (divisors of the batch): 8.
+        assert graft_like["gradient_checkpointing"] is True and train.activation_checkpointing == "auto"
         assert graft_like["per_device_train_batch_size"] == 8 and 8 * 640 <= train.max_tokens_per_micro_batch
     rows, rewards_PG = memory_batch(32, QWEN_SHAPE["vocab"])
     plan = micro_batches(list(range(32)), RolloutBatch(rows, [[]] * 32, rewards_PG, 0, 0.0), train)
@@ -93,11 +93,11 @@ def test_graft_only_run_measures_a_tiny_shape_in_a_fresh_process():
     assert row["graft_peak_bytes"] >= row["graft_model_bytes"] > 0 and row["graft_seconds"] > 0
     assert row["graft_cpu_seconds"] > 0
     assert row["trl_peak_bytes"] is None and row["trl_seconds"] is None and row["trl"] == {}
-    assert row["graft_activation_checkpointing"] is True  # graft's default
+    assert row["graft_activation_checkpointing"] is False  # graft's default, auto: a tiny shape's activations fit
     # The override reaches the model, set up as the trainer sets it up.
-    (plain,) = run_memory_bench(layers=(1,), overrides=["train.activation_checkpointing=false"], with_trl=False,
+    (plain,) = run_memory_bench(layers=(1,), overrides=["train.activation_checkpointing=true"], with_trl=False,
                                        shapes=(TINY,), dims=TINY_DIMS)["shapes"]
-    assert plain["graft_activation_checkpointing"] is False
+    assert plain["graft_activation_checkpointing"] is True
 
 
 @pytest.mark.trl

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.train.dist import Dist, broadcast_batch, full_tensor
-from graft.train.parallelize import parallelize
+from graft.train.parallelize import ActivationMemory, parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
@@ -216,6 +216,38 @@ def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):
     bonus and TIS on."""
     _assert_same_updates(tiny_model_dirs["qwen2"], ["train.activation_checkpointing=false"],
                          ["train.activation_checkpointing=true"], tol=1e-6)
+
+
+def test_auto_checkpointing_fits_the_budget():
+    """auto: the head keeps its log-softmax first if it fits, then the last layers go unchecked."""
+    layers = [torch.nn.Module() for _ in range(4)]
+    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=0, layers=layers)
+    for budget, keep_head, checkpointed in [(0, False, [True] * 4), (5_000, False, [True, True, True, False]),
+                                            (20_000, True, [True, True, False, False]),
+                                            (10**9, True, [False] * 4)]:
+        memory.budget_bytes = budget
+        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
+        assert [layer.gradient_checkpointing for layer in layers] == checkpointed
+
+
+@pytest.mark.parametrize("keep_head", [False, True])
+def test_auto_checkpointing_changes_memory_not_results(tiny_model_dirs, monkeypatch, keep_head):
+    """auto with a budget of one layer of each micro-batch (and the head's log-softmax or not): some
+    layers checkpointed, some not, and the same metrics and LoRA weights as without (<= 1e-6)."""
+    fit, seen = ActivationMemory.fit, []
+
+    def one_layer(self, tokens, scored_tokens):
+        if not keep_head:
+            self.head_bytes_per_token = 10**12  # never fits
+        self.budget_bytes = int(1.5 * tokens * self.layer_bytes_per_token
+                                + keep_head * scored_tokens * self.head_bytes_per_token)
+        seen.append((fit(self, tokens, scored_tokens), [layer.gradient_checkpointing for layer in self.layers]))
+        return seen[-1][0]
+
+    monkeypatch.setattr(ActivationMemory, "fit", one_layer)
+    _assert_same_updates(tiny_model_dirs["qwen2"], ["train.activation_checkpointing=false"],
+                         ["train.activation_checkpointing=auto"], tol=1e-6)
+    assert seen and all(head is keep_head and flags[-1] is False and all(flags[:-1]) for head, flags in seen)
 
 
 def test_activation_checkpointing_keeps_less_for_the_backward_and_recomputes_it(tiny_model_dirs):
