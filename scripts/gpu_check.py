@@ -114,7 +114,7 @@ def train_args(base: Path, run_dir: Path, mode: str, dtype: str, staleness: int,
     overrides = {"model.path": base, "model.dtype": dtype, "rollout.engine": "reference",
                  "rollout.reference_device": DEVICE, "rollout.max_staleness": staleness, "rollout.n_samples": 4,
                  "rollout.max_new_tokens": 8, "sync.mode": mode, "sync.verify": "true", "train.steps": steps,
-                 "train.batch_prompts": 4, "train.eval_every": 0, "train.checkpoint_every": 1}
+                 "train.batch_prompts": 4, "train.eval_every": 0, "train.eval_examples": 4, "train.checkpoint_every": 1}
     return graft("train", "--run-dir", str(run_dir), *[f"-o{key}={value}" for key, value in overrides.items()])
 
 

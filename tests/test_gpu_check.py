@@ -29,7 +29,8 @@ def test_without_a_gpu_the_check_refuses_in_one_line(gpu_check, tmp_path, capsys
 
 def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code = gpu_check.main(["--allow-cpu", "--out", str(tmp_path), "--skip", "tests,train", "--steps", "1",
+    code = gpu_check.main(["--allow-cpu", "--out", str(tmp_path), "--skip", "tests,train", "--steps", "1", "--timeout",
+                           "900",
                            "--bench-args=--no-such-flag"])
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     status = {row["check"]: row["status"] for row in report["checks"]}

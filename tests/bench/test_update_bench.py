@@ -14,8 +14,10 @@ from graft.lora.attach import attach_lora, lora_parameters
 TINY_DIMS = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 500}
 TINY_FLAGS = ["--layers", "2", "--sequences", "8", "--prompt-tokens", "6", "--completion-tokens", "4",
               "--device", "cpu", "--repeats", "1"]
-NUMBERS = ("seconds", "cpu_seconds", "tokens", "tokens_per_second", "tokens_per_cpu_second", "peak_bytes",
-           "model_bytes", "useful_flops", "useful_tflops")
+# peak_bytes is not here: on the CPU it is the resident peak above the model's, which is 0 when building
+# the model peaked higher than the update (ru_maxrss never resets); it is checked to be >= 0.
+NUMBERS = ("seconds", "cpu_seconds", "tokens", "tokens_per_second", "tokens_per_cpu_second", "model_bytes",
+           "useful_flops", "useful_tflops")
 
 
 def _bench(monkeypatch, tmp_path, *flags: str) -> dict:
@@ -30,7 +32,7 @@ def test_graft_side_writes_the_json_contract_and_a_profile(monkeypatch, tmp_path
     assert result["device"].startswith("cpu (") and result["device"].endswith(" cores)")
     assert list(result["sides"]) == ["graft"] and result["dtype"] == "float32" and result["peak_tflops"] is None
     graft = result["sides"]["graft"]
-    assert all(graft[key] > 0 for key in NUMBERS), graft
+    assert all(graft[key] > 0 for key in NUMBERS) and graft["peak_bytes"] >= 0, graft
     assert graft["tokens"] == 8 * (6 + 4)
     assert graft["tokens_per_second"] == pytest.approx(graft["tokens"] / graft["seconds"])
     assert graft["seconds"] == min(graft["all_seconds"]) and len(graft["all_seconds"]) == 1
@@ -71,7 +73,7 @@ def test_both_sides_update_the_same_batch(monkeypatch, tmp_path):
     assert set(result["sides"]) == {"graft", "trl"}
     graft, trl = result["sides"]["graft"], result["sides"]["trl"]
     assert graft["tokens"] == trl["tokens"] == 80
-    assert all(trl[key] > 0 for key in NUMBERS), trl
+    assert all(trl[key] > 0 for key in NUMBERS) and trl["peak_bytes"] >= 0, trl
     assert trl["optimizer_steps"] == 3  # warm-up, timed, profiled
     assert graft["non_embedding_parameters"] == trl["non_embedding_parameters"]
     assert "aten::" in (tmp_path / "profile" / "trl.txt").read_text()
