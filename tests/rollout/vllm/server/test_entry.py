@@ -27,7 +27,8 @@ async def _timed_requests(url: str, n: int) -> list[float]:
 @pytest.mark.vllm
 def test_engine_is_idle_right_after_a_request_and_never_waits_for_the_recheck(vllm_server):
     seconds = asyncio.run(_timed_requests(vllm_server.url, 11))[1:]  # the first may warm up for seconds
-    assert max(seconds) < 1.0, seconds  # a missed wake-up would wait for vLLM's 5 s recheck
+    # A missed wake-up waits for vLLM's 5 s recheck; a loaded 2-core machine took 1.14 s once without one.
+    assert max(seconds) < 3.0, seconds
     before = group_cpu_seconds(vllm_server.pid)
     time.sleep(1.0)
     # vLLM's default spins a reader for 1 s after the last request: ~1 CPU-second here.
