@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft: error: {e.strerror or e}{where} (a training run continues from its newest checkpoint "
               "with --resume)", file=sys.stderr)
         return 2
-    return code or 0
+    return code if isinstance(code, int) else 0  # a command may return its exit code (graft verify: 1)
 
 
 if __name__ == "__main__":
