@@ -202,9 +202,9 @@ class Rowwise(RowwiseParallel):
 # `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
 # log-softmax, then whole decoder layers) take this share of the memory available when the model is
 # set up (per rank on a shared host). Measured with `graft bench update` at the 24-layer
-# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, ~22 GiB available): TRL's update (gradient
-# checkpointing, fp32 logits of every completion token) peaked 4.4 GiB above the model; a sixth
-# (3.6 GiB) keeps graft under it.
+# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, 15-20 GiB available): TRL's update (gradient
+# checkpointing, fp32 logits of every completion token) peaked 5.45 GiB above the model; with a
+# sixth graft kept the head's log-softmax and 3-6 of 24 layers unchecked, 2.5-3.3 GiB above it.
 AUTO_MEMORY_FRACTION = 1 / 6
 _PROBE_TOKENS = 64
 
