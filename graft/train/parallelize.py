@@ -64,8 +64,9 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool |
     """
     if ctx.tp > 1:  # 1.
         apply_tp(model, ctx.mesh["tp"])
-    if activation_checkpointing:  # 2.
-        apply_ac(model, activation_checkpointing)
+    if activation_checkpointing:  # 2. auto's choice follows each rank's free memory, and TP ranks must
+        # recompute the same layers (the recomputation repeats their collectives): under TP, every layer
+        apply_ac(model, True if ctx.tp > 1 else activation_checkpointing)
     # 3. compile: graft does not compile; `apply_compile(model)` would stand here.
     return apply_fsdp(model, ctx)  # 4.
 
