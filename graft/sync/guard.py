@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import peft
 import torch
 
 from graft.lora.adapter_io import load_adapter, read_adapter_tensors
@@ -55,9 +56,11 @@ def check_finite_policy(policy: Policy, version: int, probe: Sequence[int] = PRO
                                    "serving the last good version (the update diverged: lower train.lr)")
 
 
-def check_finite_adapter_dir(model_path, dtype: str, adapter_dir, probe: Sequence[int] = PROBE_PROMPT) -> None:
+def check_finite_adapter_dir(model_path, dtype: str, adapter_dir, probe: Sequence[int] = PROBE_PROMPT
+                             ) -> peft.PeftModel:
     """Refuse the PEFT adapter at `adapter_dir` unless its tensors are finite and base + adapter computes
-    finite logits on the probe prompt (one forward on the CPU, before any server sees the adapter).
+    finite logits on the probe prompt (one forward on the CPU, before any server sees the adapter);
+    base + adapter, checked, for a caller that goes on using them.
 
     Raises:
         AdapterError: unreadable adapter, or NaN/inf tensors.
@@ -69,3 +72,4 @@ def check_finite_adapter_dir(model_path, dtype: str, adapter_dir, probe: Sequenc
         raise NonFinitePolicyError(f"adapter {adapter_dir} makes the model compute non-finite logits on a probe "
                                    "prompt (its weights are finite but too large): refused before any server "
                                    "loads it, as it would poison the server's KV cache for other requests")
+    return model

@@ -13,8 +13,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """`graft verify`: exit 0 when the server serves exactly the adapter, 1 when not (one line)."""
     import asyncio
 
-    from graft.lora.adapter_io import load_adapter
-    from graft.models.loading import load_model
     from graft.rollout.factory import HTTP_CLIENTS
     from graft.sync.guard import check_finite_adapter_dir
     from graft.sync.served_adapter import verify_served_adapter
@@ -23,8 +21,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     api_key = None
     if args.api_key_env is not None and not (api_key := os.environ.get(args.api_key_env)):
         raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
-    check_finite_adapter_dir(args.base, args.dtype, args.adapter)  # before the server sees it (graft.sync.guard)
-    model = load_adapter(load_model(args.base, args.dtype), args.adapter)
+    model = check_finite_adapter_dir(args.base, args.dtype, args.adapter)  # before the server sees it
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
 
     async def check():
@@ -51,7 +48,7 @@ def add_verify_command(sub) -> None:
     p.add_argument("--adapter", required=True, metavar="DIR", help="the PEFT LoRA adapter directory")
     p.add_argument("--name", required=True, help="the adapter's name on the server (what requests name)")
     p.add_argument("--load", action="store_true", help="load the adapter under --name first")
-    p.add_argument("--engine", choices=sorted(("vllm", "sglang")), default="vllm")
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the dtype the server computes in (vLLM --dtype; default float32)")
     p.add_argument("--tolerance", type=float, help="largest allowed log-prob gap (default: 1e-3 for float32, "
