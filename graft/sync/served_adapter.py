@@ -59,4 +59,4 @@ async def verify_served_adapter(engine: RolloutEngine, model: peft.PeftModel, na
     address = engine_address(engine)
     if gap <= tolerance:
         return Verdict(address, name, gap, tolerance)
-    return Verdict(address, name, gap, tolerance, likely_cause(source, probe, completion, tolerance))
+    return Verdict(address, name, gap, tolerance, likely_cause(source, probe, completion, gap, tolerance))

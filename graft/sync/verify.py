@@ -98,7 +98,7 @@ async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str 
     completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
     gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
     if gap > tolerance:
-        cause = likely_cause(source, probe, completion, tolerance)
+        cause = likely_cause(source, probe, completion, gap, tolerance)
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
                             f"on the probe prompt, serving {adapter or 'the base model name'}: "
                             f"the engine is not serving the published policy{'; ' + cause if cause else ''}",
@@ -111,16 +111,16 @@ def logprob_gap(served: Sequence[float], local: Sequence[float]) -> float:
     return max(abs(a - b) for a, b in zip(served, local))
 
 
-def likely_cause(source: PolicySource, probe: Sequence[int], completion: Completion, tolerance: float) -> str:
-    """Why the engine's `completion` of `probe` is off, where a suspect matches it within `tolerance`
-    (module docstring); "" when none does. Only a model held whole in this process is varied: an
+def likely_cause(source: PolicySource, probe: Sequence[int], completion: Completion, gap: float,
+                 tolerance: float) -> str:
+    """Why the engine's `completion` of `probe` is off by `gap`, where a suspect matches it within
+    `tolerance` (module docstring); "" when none does. Only a model held whole in this process is varied: an
     FSDP2 run's forwards are collectives the other ranks would not join."""
     if isinstance(source, ModelSource) and isinstance(source.model, peft.PeftModel):
         for cause, state in suspects(source.model):
             with state():
                 if logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids)) <= tolerance:
                     return cause
-    gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
     return dtype_hint(gap, tolerance).removeprefix("; ")
 
 
