@@ -128,11 +128,11 @@ def run(spec: dict) -> dict:
     return out
 
 
-def main() -> None:
+def worker_main(measure) -> None:
+    """A TRL worker's entry: `python -m MODULE SPEC.json OUT.json` writes `measure(spec)` as JSON."""
     spec_path, out_path = sys.argv[1:3]
-    result = run(json.loads(Path(spec_path).read_text()))
-    Path(out_path).write_text(json.dumps(result) + "\n")
+    Path(out_path).write_text(json.dumps(measure(json.loads(Path(spec_path).read_text()))) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)

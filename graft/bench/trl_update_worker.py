@@ -10,12 +10,10 @@ steps (one more, profiled, with `profile`), each over the whole batch. Each step
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 from graft.bench.memory_shape import memory_batch, trl_generation_batch
-from graft.bench.trl_memory_worker import _tokenizer, trl_memory_arguments
+from graft.bench.trl_memory_worker import _tokenizer, trl_memory_arguments, worker_main
 from graft.bench.update_measure import (
     UpdateClock,
     UpdateProfile,
@@ -83,11 +81,5 @@ def run(spec: dict) -> dict:
             "micro_batch_rows": args["per_device_train_batch_size"], "trl_version": __import__("trl").__version__}
 
 
-def main() -> None:
-    spec_path, out_path = sys.argv[1:3]
-    result = run(json.loads(Path(spec_path).read_text()))
-    Path(out_path).write_text(json.dumps(result) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(run)
