@@ -51,7 +51,7 @@ from pathlib import Path
 
 from graft.lora.adapter_io import write_adapter_files
 from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
-from graft.rollout.pool import EnginePool, PoolBroadcastError
+from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
 from graft.sync.inflight import InFlightVersions
 from graft.sync.owner import LoraNameInUseError, PublishRootLease, live_owner
 from graft.sync.publish import WeightPublisher, read_version
@@ -206,7 +206,7 @@ class AdapterSync:
         for name, path in (await self._adapter_paths()).items():
             if name in names and Path(path).parent != self.publisher.root and (holder := live_owner(path)):
                 raise LoraNameInUseError(
-                    f"lora.name {self._lora_name!r} is in use on {getattr(self._engine, 'address', 'the engine')} by "
+                    f"lora.name {self._lora_name!r} is in use on {engine_address(self._engine)} by "
                     f"a live run ({holder}; its adapters are in {Path(path).parent}): give this run another lora.name")
 
     async def _adapter_paths(self) -> dict[str, str]:
@@ -234,7 +234,8 @@ class AdapterSync:
         """
         async with self._lock:
             kept = {self._current} if keep_current else set()
-            self._current = self._current if keep_current else None
+            if not keep_current:
+                self._current = None
             await self._retire([v for v in self._loaded if v not in kept], set())
             pending = list(self._unloading.values())
             if pending:
