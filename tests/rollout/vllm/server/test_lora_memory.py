@@ -1,0 +1,198 @@
+"""Adapters loaded from memory (graft.rollout.vllm.server.lora_memory): the wire format and segments
+here, and against the real vLLM server: served exactly as the same adapter loaded from disk, by both
+transports, bit-equal again after any number of LRU evictions, refused with vLLM's own validation,
+and nothing left staged in the workers after an unload or a refused load."""
+
+import asyncio
+import os
+import stat
+
+import httpx
+import pytest
+import torch
+
+from graft.lora.adapter_io import save_adapter
+from graft.rollout.engine import (
+    BadRequestError,
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+    TransportUnsupportedError,
+)
+from graft.rollout.vllm.client import VllmClient
+from graft.rollout.vllm.server.lora_memory import (
+    SHM_DIR,
+    StagingError,
+    adapter_blob,
+    blob_config,
+    drop_segment,
+    new_segment,
+    read_segment,
+)
+from graft.sync.source import policy_source
+from tests.helpers import trained_like_peft_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 302]]
+
+
+def test_a_blob_carries_its_tensors_and_config():
+    import safetensors.torch
+
+    tensors = {"a.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(3, 2)}
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["a"]}
+    blob = adapter_blob(tensors, config)
+    assert blob_config(blob) == config
+    decoded = safetensors.torch.load(blob)
+    assert decoded.keys() == tensors.keys() and all(torch.equal(decoded[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20]])
+def test_a_blob_without_a_config_is_refused(blob):
+    with pytest.raises(StagingError, match="adapter_config"):
+        blob_config(blob)
+
+
+def test_segments_are_private_and_only_graft_names_are_read(tmp_path):
+    name = new_segment(b"\x01\x02\x03")
+    try:
+        assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode) == 0o600
+        assert read_segment(name) == b"\x01\x02\x03"
+    finally:
+        drop_segment(name)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    with pytest.raises(StagingError, match="no shared-memory segment"):
+        read_segment(name)
+    for bad in ("../etc/passwd", "graft-lora-xyz", str(tmp_path)):
+        with pytest.raises(StagingError, match="not a graft shared-memory segment"):
+            read_segment(bad)
+
+
+# -- against the real server ------------------------------------------------------------------------
+
+def _adapter(base_dir, seed, rank=8):
+    return policy_source(trained_like_peft_model(base_dir, rank=rank, seed=seed)).adapter()
+
+
+async def _served(client, name):
+    """Greedy tokens and their log-probs for PROMPTS under adapter `name`, one request at a time: two
+    requests in flight may share an engine step or not, which moves fp32 log-probs by an ulp
+    (measured: 5e-7 in 2 of 4 runs), and this compares weights, not schedules."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=1)
+    answers = [(await client.generate([GenerateRequest(prompt_token_ids=p, params=params)], adapter=name))[0][0]
+               for p in PROMPTS]
+    return [(a.token_ids, a.logprobs) for a in answers]
+
+
+async def _staged(server):
+    """What every worker holds staged (the session server has the dev endpoints)."""
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(server.url + "/collective_rpc", json={"method": "graft_staged_labels"})
+    return answer.json()["results"]
+
+
+@pytest.mark.vllm
+def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_dir, tmp_path):
+    tensors, config = _adapter(base_dir, seed=3)
+    save_adapter(trained_like_peft_model(base_dir, rank=8, seed=3), tmp_path / "disk")
+
+    async def run():
+        async with VllmClient(vllm_server.url) as client:
+            await client.load_adapter("disk", str(tmp_path / "disk"))
+            for transport in client.memory_transports:
+                await client.load_adapter_tensors(f"mem-{transport}", str(tmp_path / f"label-{transport}"),
+                                                  tensors, config, transport=transport)
+            try:
+                served = {name: await _served(client, name) for name in ("disk", "mem-http", "mem-shm")}
+                paths = await client.adapter_paths()
+                staged = await _staged(vllm_server)
+            finally:
+                for name in ("disk", "mem-http", "mem-shm"):
+                    await client.unload_adapter(name)
+            return served, paths, staged, await _staged(vllm_server)
+
+    served, paths, staged, after = asyncio.run(run())
+    assert served["mem-http"] == served["disk"] and served["mem-shm"] == served["disk"]
+    assert paths["mem-shm"] == str(tmp_path / "label-shm") and not os.path.exists(paths["mem-shm"])
+    assert staged == [sorted([str(tmp_path / "label-http"), str(tmp_path / "label-shm")])]
+    assert after == [[]]  # the unload dropped the blobs
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("graft-lora-")]  # every segment unlinked
+
+
+@pytest.mark.vllm
+def test_evictions_and_reloads_serve_the_first_load_bit_for_bit(vllm_server, base_dir, tmp_path):
+    """Five adapters through the server's four CPU-cache slots, round-robin twice: in the second round
+    every request finds its adapter evicted and rebuilt from the staged blob."""
+    names = [f"evict-{i}" for i in range(vllm_server.config.max_loras + 1)]
+
+    async def run():
+        async with VllmClient(vllm_server.url) as client:
+            for i, name in enumerate(names):
+                tensors, config = _adapter(base_dir, seed=10 + i)
+                await client.load_adapter_tensors(name, str(tmp_path / name), tensors, config)
+            try:
+                rounds = [[await _served(client, name) for name in names] for _ in range(3)]
+            finally:
+                for name in names:
+                    await client.unload_adapter(name)
+            return rounds
+
+    first, *later = asyncio.run(run())
+    assert all(round_ == first for round_ in later)
+    assert len({str(answer) for answer in first}) == len(names)  # five different adapters, five answers
+
+
+@pytest.mark.vllm
+def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_server, base_dir, tmp_path):
+    too_wide = _adapter(base_dir, seed=4, rank=16)  # the server's --max-lora-rank is 8
+    tensors, config = _adapter(base_dir, seed=4)
+    foreign = ({k.replace("q_proj", "conv_proj"): t for k, t in tensors.items()}, config)
+
+    async def run():
+        async with VllmClient(vllm_server.url) as client:
+            errors = []
+            for adapter in (too_wide, foreign):  # vLLM answers 500 for these, from disk too
+                with pytest.raises(EngineError) as error:
+                    await client.load_adapter_tensors("bad", str(tmp_path / "bad"), *adapter)
+                errors.append(str(error.value))
+            with pytest.raises(BadRequestError, match="adapter_config"):
+                await client._call("POST", "/v1/graft/load_lora_adapter", params={"lora_name": "b", "lora_path": "x"},
+                                   content=b"junk")
+            return errors, await client.list_adapters(), await _staged(vllm_server)
+
+    errors, loaded, staged = asyncio.run(run())
+    assert "greater than max_lora_rank" in errors[0] and "conv_proj" in errors[1]
+    assert loaded == [] and staged == [[]]
+
+
+@pytest.mark.vllm
+def test_the_shm_transport_to_a_segment_the_server_cannot_see_is_unsupported(vllm_server, monkeypatch):
+    from graft.rollout.vllm import client as client_module
+
+    monkeypatch.setattr(client_module, "new_segment", lambda blob: "graft-lora-" + "0" * 32)  # nothing there
+
+    async def run():
+        async with VllmClient(vllm_server.url) as client:
+            await client.load_adapter_tensors("far", "/nowhere/far", {}, {"peft_type": "LORA"}, transport="shm")
+
+    with pytest.raises(TransportUnsupportedError, match="one host"):
+        asyncio.run(run())
+
+
+@pytest.mark.parametrize("status, body", [
+    (404, {"detail": "Not Found"}),  # a vLLM not started by graft: no such route
+    (501, {"error": {"message": "this server's workers cannot load adapters from memory", "code": 501}}),
+])
+def test_a_server_without_the_memory_route_says_so_as_unsupported(status, body):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers["content-type"], len(request.content)))
+        return httpx.Response(status, json=body)
+
+    async def run():
+        async with VllmClient("http://vllm.test", transport=httpx.MockTransport(handler)) as client:
+            await client.load_adapter_tensors("a", "/label", {"w": torch.zeros(4)}, {"peft_type": "LORA"})
+
+    with pytest.raises(TransportUnsupportedError):
+        asyncio.run(run())
+    assert seen[0][:2] == ("/v1/graft/load_lora_adapter", "application/octet-stream") and seen[0][2] > 16
