@@ -47,7 +47,7 @@ from graft.rollout.engine import (
 from graft.rollout.http_util import answer_while_alive, error_for, gather_cancel_on_error, send, server_message
 from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
 from graft.rollout.vllm.server.lora_memory import ROUTE as MEMORY_ROUTE
-from graft.rollout.vllm.server.lora_memory import adapter_blob, drop_segment, new_segment
+from graft.rollout.vllm.server.lora_memory import drop_segment, new_segment
 
 
 def completion_payload(request: GenerateRequest, model: str) -> dict:
@@ -238,11 +238,10 @@ class VllmClient:
     # "http": the blob in the request body; "shm": in a shared-memory segment, for a server on this host.
     memory_transports = ("http", "shm")
 
-    async def load_adapter_tensors(self, name: str, label: str, tensors: dict, config: dict,
-                                   transport: str = "http") -> None:
-        """Load the adapter `tensors` (PEFT names) with PEFT `config` under `name`, no file written:
-        one safetensors blob to graft's memory route (graft.rollout.vllm.server.lora_memory). `label`
-        stands where a path would (`/v1/models` shows it as the adapter's root): unique per version.
+    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
+        """Load the adapter in `blob` (graft.rollout.adapter_blob) under `name`, no file written, through
+        graft's memory route (graft.rollout.vllm.server.lora_memory). `label` stands where a path
+        would (`/v1/models` shows it as the adapter's root): unique per version.
 
         Raises:
             TransportUnsupportedError: the server has no memory route (a vLLM not started by graft,
@@ -251,7 +250,6 @@ class VllmClient:
         """
         if transport not in self.memory_transports:
             raise ValueError(f"transport must be one of {self.memory_transports}, got {transport!r}")
-        blob = adapter_blob(tensors, config)
         params = {"lora_name": name, "lora_path": label}
         segment = new_segment(blob) if transport == "shm" else None
         try:

@@ -3,8 +3,8 @@
 vLLM loads a LoRA adapter only from a directory (`/v1/load_lora_adapter` -> engine `add_lora` ->
 worker `LRUCacheWorkerLoRAManager._load_adapter`, which reads `adapter_config.json` and
 `adapter_model.safetensors`), and reads it again from there whenever the adapter was evicted from
-its CPU cache and a request names it. This route takes the adapter as one safetensors blob (its
-PEFT config in the blob's metadata under `CONFIG_KEY`), in the request body or in a shared-memory
+its CPU cache and a request names it. This route takes the adapter as one blob (graft.rollout.adapter_blob:
+safetensors with the PEFT config in its metadata), in the request body or in a shared-memory
 segment of the same host (`?shm=<segment>`), and:
 
 1. stages the blob in every worker (`MemoryAdapterWorker.graft_stage_adapter`, through vLLM's
@@ -28,21 +28,20 @@ The workers get the methods through vLLM's `--worker-extension-cls` (the launche
 registration, and the name lives inside `add_memory_route`, not in this module's globals.)
 """
 
-import json
 import os
 import re
 import secrets
-import struct
+
+from graft.rollout.adapter_blob import blob_config
 
 ROUTE = "/v1/graft/load_lora_adapter"
 WORKER_EXTENSION = "graft.rollout.vllm.server.lora_memory.MemoryAdapterWorker"
-CONFIG_KEY = "adapter_config"  # safetensors metadata: the adapter_config.json text
 SHM_DIR = "/dev/shm"
 _SEGMENT_RE = re.compile(r"^graft-lora-[0-9a-f]{32}$")
 
 
 class StagingError(ValueError):
-    """A blob or a segment name the route cannot use."""
+    """A segment the route cannot use."""
 
 
 # -- shared-memory segments (both sides) ------------------------------------------------------------
@@ -75,33 +74,6 @@ def drop_segment(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         pass
-
-
-def adapter_blob(tensors: dict, config: dict) -> bytes:
-    """The route's wire format: `tensors` (PEFT names; copied to the CPU) as one safetensors blob with
-    the PEFT `config` in its metadata."""
-    import safetensors.torch
-
-    host = {key: tensor.detach().to(device="cpu") for key, tensor in tensors.items()}
-    return safetensors.torch.save(host, metadata={"format": "pt", CONFIG_KEY: json.dumps(config, sort_keys=True)})
-
-
-def blob_config(blob: bytes) -> dict:
-    """The PEFT config stored in a safetensors blob's metadata (header only: no tensor is decoded).
-
-    Raises:
-        StagingError: not a safetensors blob, or no parsable `CONFIG_KEY` in its metadata.
-    """
-    try:
-        (header_bytes,) = struct.unpack("<Q", blob[:8])
-        metadata = json.loads(blob[8:8 + header_bytes]).get("__metadata__") or {}
-        config = json.loads(metadata[CONFIG_KEY])
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
-        raise StagingError(f"expected a safetensors blob whose metadata holds the PEFT config under "
-                           f"{CONFIG_KEY!r}") from None
-    if not isinstance(config, dict):
-        raise StagingError(f"the blob's {CONFIG_KEY!r} is not a JSON object")
-    return config
 
 
 # -- worker side ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graft.lora.adapter_io import save_adapter
+from graft.rollout.adapter_blob import BlobError, adapter_blob, blob_config
 from graft.rollout.engine import (
     BadRequestError,
     EngineError,
@@ -20,15 +21,7 @@ from graft.rollout.engine import (
     TransportUnsupportedError,
 )
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.server.lora_memory import (
-    SHM_DIR,
-    StagingError,
-    adapter_blob,
-    blob_config,
-    drop_segment,
-    new_segment,
-    read_segment,
-)
+from graft.rollout.vllm.server.lora_memory import SHM_DIR, StagingError, drop_segment, new_segment, read_segment
 from graft.sync.source import policy_source
 from tests.helpers import trained_like_peft_model
 
@@ -48,7 +41,7 @@ def test_a_blob_carries_its_tensors_and_config():
 
 @pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20]])
 def test_a_blob_without_a_config_is_refused(blob):
-    with pytest.raises(StagingError, match="adapter_config"):
+    with pytest.raises(BlobError, match="adapter_config"):
         blob_config(blob)
 
 
@@ -69,8 +62,8 @@ def test_segments_are_private_and_only_graft_names_are_read(tmp_path):
 
 # -- against the real server ------------------------------------------------------------------------
 
-def _adapter(base_dir, seed, rank=8):
-    return policy_source(trained_like_peft_model(base_dir, rank=rank, seed=seed)).adapter()
+def _blob(base_dir, seed, rank=8):
+    return adapter_blob(*policy_source(trained_like_peft_model(base_dir, rank=rank, seed=seed)).adapter())
 
 
 async def _served(client, name):
@@ -92,15 +85,15 @@ async def _staged(server):
 
 @pytest.mark.vllm
 def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_dir, tmp_path):
-    tensors, config = _adapter(base_dir, seed=3)
+    blob = _blob(base_dir, seed=3)
     save_adapter(trained_like_peft_model(base_dir, rank=8, seed=3), tmp_path / "disk")
 
     async def run():
         async with VllmClient(vllm_server.url) as client:
             await client.load_adapter("disk", str(tmp_path / "disk"))
             for transport in client.memory_transports:
-                await client.load_adapter_tensors(f"mem-{transport}", str(tmp_path / f"label-{transport}"),
-                                                  tensors, config, transport=transport)
+                await client.load_adapter_blob(f"mem-{transport}", str(tmp_path / f"label-{transport}"), blob,
+                                               transport=transport)
             try:
                 served = {name: await _served(client, name) for name in ("disk", "mem-http", "mem-shm")}
                 paths = await client.adapter_paths()
@@ -127,8 +120,7 @@ def test_evictions_and_reloads_serve_the_first_load_bit_for_bit(vllm_server, bas
     async def run():
         async with VllmClient(vllm_server.url) as client:
             for i, name in enumerate(names):
-                tensors, config = _adapter(base_dir, seed=10 + i)
-                await client.load_adapter_tensors(name, str(tmp_path / name), tensors, config)
+                await client.load_adapter_blob(name, str(tmp_path / name), _blob(base_dir, seed=10 + i))
             try:
                 rounds = [[await _served(client, name) for name in names] for _ in range(3)]
             finally:
@@ -143,16 +135,16 @@ def test_evictions_and_reloads_serve_the_first_load_bit_for_bit(vllm_server, bas
 
 @pytest.mark.vllm
 def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_server, base_dir, tmp_path):
-    too_wide = _adapter(base_dir, seed=4, rank=16)  # the server's --max-lora-rank is 8
-    tensors, config = _adapter(base_dir, seed=4)
-    foreign = ({k.replace("q_proj", "conv_proj"): t for k, t in tensors.items()}, config)
+    too_wide = _blob(base_dir, seed=4, rank=16)  # the server's --max-lora-rank is 8
+    tensors, config = policy_source(trained_like_peft_model(base_dir, rank=8, seed=4)).adapter()
+    foreign = adapter_blob({k.replace("q_proj", "conv_proj"): t for k, t in tensors.items()}, config)
 
     async def run():
         async with VllmClient(vllm_server.url) as client:
             errors = []
             for adapter in (too_wide, foreign):  # vLLM answers 500 for these, from disk too
                 with pytest.raises(EngineError) as error:
-                    await client.load_adapter_tensors("bad", str(tmp_path / "bad"), *adapter)
+                    await client.load_adapter_blob("bad", str(tmp_path / "bad"), adapter)
                 errors.append(str(error.value))
             with pytest.raises(BadRequestError, match="adapter_config"):
                 await client._call("POST", "/v1/graft/load_lora_adapter", params={"lora_name": "b", "lora_path": "x"},
@@ -172,7 +164,8 @@ def test_the_shm_transport_to_a_segment_the_server_cannot_see_is_unsupported(vll
 
     async def run():
         async with VllmClient(vllm_server.url) as client:
-            await client.load_adapter_tensors("far", "/nowhere/far", {}, {"peft_type": "LORA"}, transport="shm")
+            blob = adapter_blob({}, {"peft_type": "LORA"})
+            await client.load_adapter_blob("far", "/nowhere/far", blob, transport="shm")
 
     with pytest.raises(TransportUnsupportedError, match="one host"):
         asyncio.run(run())
@@ -191,7 +184,7 @@ def test_a_server_without_the_memory_route_says_so_as_unsupported(status, body):
 
     async def run():
         async with VllmClient("http://vllm.test", transport=httpx.MockTransport(handler)) as client:
-            await client.load_adapter_tensors("a", "/label", {"w": torch.zeros(4)}, {"peft_type": "LORA"})
+            await client.load_adapter_blob("a", "/label", adapter_blob({"w": torch.zeros(4)}, {"peft_type": "LORA"}))
 
     with pytest.raises(TransportUnsupportedError):
         asyncio.run(run())
