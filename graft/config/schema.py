@@ -84,6 +84,11 @@ class SyncConfig(Section):
     keep_versions: Literal["auto"] | int = Field(
         "auto", description="Adapter versions kept loaded on the server; auto = max_staleness + 2, 0 = never unload."
     )
+    transport: Literal["auto", "disk", "memory", "shm"] = Field(
+        "auto", description="How adapter versions reach the engines: 'disk' = PEFT files in the weights directory, "
+        "loaded by path (any engine sharing the filesystem); 'memory' = one safetensors blob in an HTTP call, no "
+        "file (servers graft launches or serves); 'shm' = the blob in a shared-memory segment (such servers on "
+        "this host); auto = the fastest the engines offer, logged. Registered in graft.sync.transport.")
     verify: bool = Field(True, description="Check after each push that the engine serves exactly the trained weights.")
     verify_tolerance: float | None = Field(
         None, gt=0, description="Largest allowed per-token |engine - trainer| log-prob gap on the probe prompt; "

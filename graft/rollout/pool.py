@@ -39,6 +39,7 @@ from graft.rollout.engine import (
     EngineUnavailableError,
     GenerateRequest,
     RolloutEngine,
+    TransportUnsupportedError,
 )
 from graft.rollout.http_util import gather_cancel_on_error, settle
 
@@ -229,6 +230,22 @@ class EnginePool:
     async def load_adapter(self, name: str, path: str) -> None:
         """Load on every live engine at once; PoolBroadcastError if it failed (module docstring)."""
         await self._broadcast(f"load_adapter({name!r})", lambda e: e.load_adapter(name, path))
+
+    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
+        """Load from memory on every live engine at once (`RolloutEngine`'s optional method);
+        TransportUnsupportedError, before any load, if a live engine does not take `transport`."""
+        lacking = [engine_address(e) for e in self.engines if transport not in getattr(e, "memory_transports", ())]
+        if lacking:
+            raise TransportUnsupportedError(f"{', '.join(lacking)} cannot load adapters by {transport}",
+                                            address=self.address)
+        await self._broadcast(f"load_adapter_blob({name!r})",
+                              lambda e: e.load_adapter_blob(name, label, blob, transport))
+
+    @property
+    def memory_transports(self) -> tuple[str, ...]:
+        """The memory transports every live engine takes."""
+        kinds = [set(getattr(e, "memory_transports", ())) for e in self.engines]
+        return tuple(sorted(set.intersection(*kinds))) if kinds else ()
 
     async def unload_adapter(self, name: str) -> None:
         """Unload on every live engine at once; PoolBroadcastError if it failed."""

@@ -3,16 +3,19 @@ and unload the versions that fall outside the retention window, never one a runn
 
 One `sync(model, version, step)` per optimizer step, in this order:
 
-1. publish: the adapter's PEFT files into the publisher's temporary directory; atomic, with a `.ready`
-   manifest (`graft.sync.publish`), whose sizes and sha256 are checked again right before the load.
-   Runs in a worker thread, so generation on the event loop goes on meanwhile.
+1. prepare, by the run's transport (`sync.transport`, graft.sync.transport): disk publishes the
+   adapter's PEFT files (atomic, with a `.ready` manifest whose sizes and sha256 are checked again
+   right before the load); memory and shm make one safetensors blob and write nothing. In a worker
+   thread, so generation on the event loop goes on meanwhile.
 2. make room: the versions that fall outside the window once N is loaded (all but the newest
    `keep_versions - 1`) are retired now, except the current one (requests may be picking it at
    this instant). If graft still holds `max_loras` adapters, wait until a retired version's
    requests finish and it is unloaded, so the engine never holds more than `max_loras` graft
    adapters. (With `max_loras == 1` that is impossible without a moment with no policy served:
    then N is loaded first, and the engine holds 2 until the previous version is unloaded.)
-3. load `<lora.name>-vN` from the published directory; it becomes `current`.
+3. load `<lora.name>-vN` (from the published directory, or the blob); it becomes `current`. A
+   memory transport the engine turns out not to take (TransportUnsupportedError, e.g. a vLLM
+   without graft's route) sends this and every later version by disk, logged once.
 4. retire what is still outside the window (with `keep_versions == 1`: the previous version).
 5. disk: `garbage_collect(protect=loaded)`, so no directory an engine still references is removed.
 
@@ -49,16 +52,14 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from graft.lora.adapter_io import write_adapter_files
-from graft.rollout.engine import EngineError, RolloutEngine, UnknownAdapterError
+from graft.rollout.engine import EngineError, RolloutEngine, TransportUnsupportedError, UnknownAdapterError
 from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
 from graft.sync.inflight import InFlightVersions
 from graft.sync.owner import LoraNameInUseError, PublishRootLease, live_owner
-from graft.sync.publish import WeightPublisher, read_version
+from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
 from graft.sync.source import Policy, policy_source
-
-KIND = "adapter"
+from graft.sync.transport import KIND, TRANSPORTS, Prepared, choose
 
 
 def adapter_name(lora_name: str, version: int) -> str:
@@ -86,6 +87,8 @@ class AdapterSync:
         max_loras: The engine's adapter slots (`rollout.max_loras`).
         inflight: Counts of running requests per version, shared with the rollout code.
         logger: Where unload failures are reported; default this module's logger.
+        transport: `sync.transport`: a name in `graft.sync.transport.TRANSPORTS`, or "auto"; resolved
+            against what the engines offer at the first sync (`transport` then names the one used).
 
     Raises:
         ValueError: keep_versions < 0, max_loras < 1, or keep_versions > max_loras.
@@ -96,7 +99,8 @@ class AdapterSync:
     needs_engine_lock = False
 
     def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, lora_name: str, keep_versions: int,
-                 max_loras: int, inflight: InFlightVersions, logger: logging.Logger | None = None) -> None:
+                 max_loras: int, inflight: InFlightVersions, logger: logging.Logger | None = None,
+                 transport: str = "disk") -> None:
         if keep_versions < 0 or max_loras < 1 or keep_versions > max_loras:
             raise ValueError(f"need 0 <= keep_versions <= max_loras and max_loras >= 1 "
                              f"(got keep_versions={keep_versions}, max_loras={max_loras})")
@@ -115,6 +119,9 @@ class AdapterSync:
         self._lease = PublishRootLease(publisher.root)  # held from the first sync to close
         self.unload_failures = 0  # total; each SyncResult carries those since the previous one
         self._failures_reported = 0
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
+        self.transport = transport  # resolved at the first sync
 
     def request_adapter(self, version: int) -> str:
         """The adapter name a rollout of `version` must request."""
@@ -153,21 +160,23 @@ class AdapterSync:
                 self._lease.claim()
                 await self._unload_stale()
                 self._stale_unloaded = True
+                self.transport = choose(self.transport, self._engine)
             start = time.perf_counter()
             tensors, config = policy_source(policy).adapter()
-            published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
-                                                lambda tmp: write_adapter_files(tensors, config, tmp),
-                                                protect=set(self._loaded))
+            prepared = await self._prepare(version, step, tensors, config)
             published_at = time.perf_counter()
 
             tried: set[int] = set()  # retired this sync: a failed unload is retried next sync, not twice now
             if self._keep:
                 await self._make_room(tried)
             name = adapter_name(self._lora_name, version)
-            # The files the engine is about to read still match their manifest (size and sha256; one
-            # read of a few MiB): a version changed on a shared filesystem is never loaded.
-            await asyncio.to_thread(read_version, self.publisher.root, KIND, version)
-            await self._engine.load_adapter(name, str(published.path))
+            try:
+                await prepared.load(self._engine, name)
+            except EngineError as error:
+                if not _unsupported(error):
+                    raise
+                prepared = await self._fall_back_to_disk(error, name, version, step, tensors, config)
+                await prepared.load(self._engine, name)
             self._loaded.append(version)
             self._current = version
             if self._keep:
@@ -179,7 +188,24 @@ class AdapterSync:
             failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
                               publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
-                              bytes=published.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
+                              bytes=prepared.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
+
+    async def _prepare(self, version: int, step: int, tensors: dict, config: dict) -> Prepared:
+        return await TRANSPORTS[self.transport](self.publisher).prepare(version, step, tensors, config, self._loaded)
+
+    async def _fall_back_to_disk(self, error: EngineError, name: str, version: int, step: int, tensors: dict,
+                                 config: dict) -> Prepared:
+        """After a memory load the engine(s) refused as unsupported: undo it where it went in (a
+        pool's other members), and prepare `version` for disk, the transport from now on."""
+        self._log.warning("sync.transport %s: %s; this run's adapters go by disk from now on", self.transport, error)
+        self.transport = "disk"
+        if isinstance(error, PoolBroadcastError) and error.succeeded:
+            try:
+                await self._engine.unload_adapter(name)
+            except EngineError as unload_error:
+                if not _already_gone(unload_error):
+                    raise
+        return await self._prepare(version, step, tensors, config)
 
     async def _unload_stale(self) -> None:
         """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
@@ -290,6 +316,13 @@ class AdapterSync:
                 return
             self._log.warning("adapter %s was already gone from the engine: %s", name, error)
         self._loaded.remove(version)
+
+
+def _unsupported(error: EngineError) -> bool:
+    """True when the engine (every failing engine of a pool) does not take the memory transport."""
+    if isinstance(error, PoolBroadcastError):
+        return all(isinstance(e, TransportUnsupportedError) for e in error.failures.values())
+    return isinstance(error, TransportUnsupportedError)
 
 
 def _already_gone(error: EngineError) -> bool:

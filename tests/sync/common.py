@@ -3,6 +3,8 @@ greedy probe of the tests against the real vLLM server."""
 
 import asyncio
 
+import httpx
+
 from graft.rollout.engine import (
     AdapterAlreadyLoadedError,
     Completion,
@@ -88,11 +90,12 @@ class RecordingEngine:
         return EngineHealth(self.address, True, tuple(self.adapters))
 
 
-def make_sync(engine, tmp_path, *, keep: int, max_loras: int = 4, lora_name: str = "graft", disk_keep: int = 0):
+def make_sync(engine, tmp_path, *, keep: int, max_loras: int = 4, lora_name: str = "graft", disk_keep: int = 0,
+              transport: str = "disk"):
     inflight = InFlightVersions()
     publisher = WeightPublisher(tmp_path / "weights", keep_versions=disk_keep)
     sync = AdapterSync(engine, publisher, lora_name=lora_name, keep_versions=keep, max_loras=max_loras,
-                       inflight=inflight)
+                       inflight=inflight, transport=transport)
     return sync, inflight, publisher
 
 
@@ -115,3 +118,11 @@ def current_adapter(sync: AdapterSync) -> str | None:
 
 def names(versions, lora_name: str = "graft") -> set[str]:
     return {adapter_name(lora_name, v) for v in versions}
+
+
+async def staged_labels(url: str) -> list[list[str]]:
+    """What each worker of the vLLM server at `url` holds staged for memory loads (graft's worker
+    extension; the session server has the dev endpoints that `/collective_rpc` needs)."""
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(url + "/collective_rpc", json={"method": "graft_staged_labels"})
+    return answer.json()["results"]

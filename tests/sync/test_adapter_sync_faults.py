@@ -108,19 +108,19 @@ def test_an_adapter_already_gone_is_forgotten_without_counting_a_failure(tmp_pat
 
 
 def test_a_version_changed_on_disk_after_publishing_is_never_loaded(tmp_path, peft_model, monkeypatch):
-    from graft.sync import adapter as adapter_module
+    from graft.sync import transport as transport_module
     from graft.sync.publish import CorruptVersionError
 
     engine = RecordingEngine()
     sync, _, publisher = make_sync(engine, tmp_path, keep=2)
-    real_read_version = adapter_module.read_version
+    real_read_version = transport_module.read_version
 
     def tampered_then_read(root, kind, version, **kwargs):
         weights = publisher.root / f"{kind}-v{version:06d}" / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")  # between publish and load
         return real_read_version(root, kind, version, **kwargs)
 
-    monkeypatch.setattr(adapter_module, "read_version", tampered_then_read)
+    monkeypatch.setattr(transport_module, "read_version", tampered_then_read)
     with pytest.raises(CorruptVersionError, match="adapter_model.safetensors"):
         run(sync.sync(peft_model, 1, step=1))
     assert engine.adapters == {}

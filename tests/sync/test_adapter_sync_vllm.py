@@ -12,12 +12,13 @@ from graft.rollout.process_group import group_rss_bytes
 from graft.rollout.vllm.client import VllmClient
 from graft.sync.adapter import adapter_name, adapter_version
 from tests.helpers import randomize_lora, trained_like_peft_model
-from tests.sync.common import make_sync, run, served_version
+from tests.sync.common import make_sync, run, served_version, staged_labels
 
 # ---- the real vLLM server ----
 
 @pytest.mark.vllm
-def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "memory", "shm"])
+def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir, tmp_path, transport):
     cycles, keep, max_loras = 50, 3, 4
     model = trained_like_peft_model(base_dir, rank=8, seed=0)
     request = [GenerateRequest((5, 17, 200, 33, 9), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))]
@@ -32,8 +33,8 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
     async def main():
         async with VllmClient(vllm_server.url) as client:
             assert await client.list_adapters() == []
-            sync, inflight, _ = make_sync(client, tmp_path, keep=keep, max_loras=max_loras, lora_name="accept",
-                                          disk_keep=keep + 1)
+            sync, inflight, publisher = make_sync(client, tmp_path, keep=keep, max_loras=max_loras,
+                                                  lora_name="accept", disk_keep=keep + 1, transport=transport)
             stop = asyncio.Event()
 
             async def generate_loop():
@@ -68,6 +69,10 @@ def test_50_sync_cycles_on_vllm_with_concurrent_generation(vllm_server, base_dir
                 await loop
                 await sync.close()
             assert await client.list_adapters() == []
+            assert sync.transport == transport
+            on_disk = [p.name for p in publisher.root.iterdir() if p.name.startswith("adapter-")]
+            assert len(on_disk) == (0 if transport != "disk" else 2 * (keep + 1))  # directories + manifests
+            assert await staged_labels(vllm_server.url) == [[]]  # unloaded memory versions left nothing
             return rss
 
     start = time.perf_counter()

@@ -24,6 +24,7 @@ from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.server.lora_memory import SHM_DIR, StagingError, drop_segment, new_segment, read_segment
 from graft.sync.source import policy_source
 from tests.helpers import trained_like_peft_model
+from tests.sync.common import staged_labels
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 302]]
 
@@ -77,10 +78,7 @@ async def _served(client, name):
 
 
 async def _staged(server):
-    """What every worker holds staged (the session server has the dev endpoints)."""
-    async with httpx.AsyncClient() as http:
-        answer = await http.post(server.url + "/collective_rpc", json={"method": "graft_staged_labels"})
-    return answer.json()["results"]
+    return await staged_labels(server.url)
 
 
 @pytest.mark.vllm

@@ -1,0 +1,117 @@
+"""How an adapter version gets from the trainer into the engines (`sync.transport`), registered by name.
+
+- disk: the PEFT files published into the run's weights directory (atomic, manifest with sha256,
+  `graft.sync.publish`), checked against their manifest again, and loaded by path. Works with any
+  engine that shares the directory's filesystem.
+- memory: one safetensors blob (graft.rollout.adapter_blob) in the body of one HTTP call per
+  engine; nothing is written. Needs graft's memory route (servers graft launches or serves).
+- shm: the same blob in a shared-memory segment of this host, named in the call; for engines on
+  this host.
+
+`auto` takes the fastest the engines offer (`choose`), measured by `graft bench sync` (adapter-memory
+rows; docs/benchmarks.md). A memory transport an engine turns out not to offer (a vLLM not started
+by graft answers 404) makes the sync fall back to disk for the rest of the run, logged once
+(graft.sync.adapter).
+
+A memory version has no directory, but it has a label where the path would be: `<weights
+dir>/adapter-v000007.memory`, unique per version (vLLM's prefix-cache key holds it) and inside
+the run's publish root, so a second run on the same server finds the root's owner lock as it
+does for disk versions (graft.sync.owner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from graft.config import LOOPBACK_HOSTS
+from graft.lora.adapter_io import write_adapter_files
+from graft.rollout.adapter_blob import adapter_blob
+from graft.rollout.engine import RolloutEngine
+from graft.rollout.pool import EnginePool
+from graft.sync.publish import WeightPublisher, read_version, version_dir_name
+
+KIND = "adapter"
+MEMORY_LABEL_SUFFIX = ".memory"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A version ready to load: its size, and the call that loads it into an engine under a name."""
+
+    bytes: int
+    load: Callable[[RolloutEngine, str], Awaitable[None]]
+
+
+class DiskTransport:
+    name = "disk"
+
+    def __init__(self, publisher: WeightPublisher) -> None:
+        self.publisher = publisher
+
+    async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
+        """Publish the PEFT files (in a worker thread: generation on the event loop goes on)."""
+        published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
+                                            lambda tmp: write_adapter_files(tensors, config, tmp), protect=set(protect))
+
+        async def load(engine: RolloutEngine, name: str) -> None:
+            # The files the engine is about to read still match their manifest (size and sha256; one
+            # read of a few MiB): a version changed on a shared filesystem is never loaded.
+            await asyncio.to_thread(read_version, self.publisher.root, KIND, version)
+            await engine.load_adapter(name, str(published.path))
+
+        return Prepared(published.bytes, load)
+
+
+class MemoryTransport:
+    """`memory` (kind "http") or `shm` (kind "shm"): the engine's `load_adapter_blob`."""
+
+    def __init__(self, publisher: WeightPublisher, kind: str) -> None:
+        self.publisher = publisher
+        self.kind = kind
+        self.name = "memory" if kind == "http" else kind
+
+    async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
+        blob = await asyncio.to_thread(adapter_blob, tensors, config)
+        label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
+        return Prepared(len(blob), lambda engine, name: engine.load_adapter_blob(name, label, blob, self.kind))
+
+
+TRANSPORTS: dict[str, Callable[[WeightPublisher], DiskTransport | MemoryTransport]] = {
+    "disk": DiskTransport,
+    "memory": lambda publisher: MemoryTransport(publisher, "http"),
+    "shm": lambda publisher: MemoryTransport(publisher, "shm"),
+}
+
+
+def offered(engine: RolloutEngine) -> set[str]:
+    """The transports every live engine takes, by name: disk always, memory/shm where the engine
+    has `load_adapter_blob`, shm only for engines on this host (a loopback URL)."""
+    engines = engine.engines if isinstance(engine, EnginePool) else [engine]
+    names = {"disk", "memory", "shm"}
+    for member in engines:
+        kinds = set(getattr(member, "memory_transports", ()) if hasattr(member, "load_adapter_blob") else ())
+        url = getattr(member, "address", "")
+        local = urlparse(url).hostname in LOOPBACK_HOSTS if "://" in url else False
+        names &= {"disk"} | {"memory" for k in kinds if k == "http"} | {"shm" for k in kinds if k == "shm" and local}
+    return names
+
+
+def choose(requested: str, engine: RolloutEngine) -> str:
+    """The transport a run uses: `requested`, or for "auto" the fastest the engines offer (shm, then
+    memory, then disk; see the module docstring). A named memory transport an engine does not offer
+    falls back to disk, logged."""
+    available = offered(engine)
+    if requested == "auto":
+        chosen = next(name for name in ("shm", "memory", "disk") if name in available)
+        log.info("sync.transport auto: %s (the engines offer %s)", chosen, ", ".join(sorted(available)))
+        return chosen
+    if requested not in available:
+        log.warning("sync.transport %s: not offered by %s (offered: %s); adapters go by disk",
+                    requested, getattr(engine, "address", engine), ", ".join(sorted(available)))
+        return "disk"
+    return requested

@@ -1,0 +1,113 @@
+"""How adapter versions reach the engines (graft.sync.transport): which transport a run takes for which
+engines, that memory versions write nothing and carry exactly the trainer's tensors, and that an engine
+refusing the memory route moves the run to disk once, with nothing left loaded twice."""
+
+import logging
+
+import pytest
+import safetensors.torch
+import torch
+
+from graft.rollout.adapter_blob import blob_config
+from graft.rollout.engine import TransportUnsupportedError
+from graft.rollout.pool import EnginePool
+from graft.sync.source import policy_source
+from graft.sync.transport import choose, offered
+from tests.sync.common import RecordingEngine, make_sync, run
+
+
+class BlobEngine(RecordingEngine):
+    """A RecordingEngine that also takes adapters from memory (keeping each blob), or refuses them as
+    a vLLM without graft's route does (`refuse`)."""
+
+    memory_transports = ("http", "shm")
+
+    def __init__(self, address: str = "http://127.0.0.1:8000", refuse: bool = False) -> None:
+        super().__init__()
+        self.address, self.refuse, self.blobs = address, refuse, {}
+
+    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
+        if self.refuse:
+            raise TransportUnsupportedError("this server has no graft memory route", address=self.address, status=404)
+        assert transport in self.memory_transports and name not in self.adapters
+        self.adapters[name], self.blobs[name] = label, blob
+        self.calls.append(f"load {name} by {transport}")
+        self.history.append(frozenset(self.adapters))
+
+
+def test_auto_takes_shm_on_this_host_memory_elsewhere_and_disk_for_engines_without_the_route():
+    assert choose("auto", BlobEngine("http://127.0.0.1:8000")) == "shm"
+    assert choose("auto", BlobEngine("http://gpu-node-3:8000")) == "memory"
+    assert choose("auto", RecordingEngine()) == "disk"
+    # A pool takes what every live member takes.
+    assert offered(EnginePool([BlobEngine("http://127.0.0.1:1"), BlobEngine("http://node:2")])) == {"disk", "memory"}
+    assert offered(EnginePool([BlobEngine("http://127.0.0.1:1"), RecordingEngine()])) == {"disk"}
+
+
+def test_a_named_transport_the_engine_lacks_goes_by_disk_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="graft.sync.transport"):
+        assert choose("shm", BlobEngine("http://node:2")) == "disk"
+        assert choose("memory", BlobEngine("http://node:2")) == "memory"
+    assert "sync.transport shm: not offered" in caplog.text
+
+
+def test_an_unknown_transport_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="transport must be"):
+        make_sync(RecordingEngine(), tmp_path, keep=2, transport="carrier-pigeon")
+
+
+@pytest.mark.parametrize("transport", ["memory", "shm"])
+def test_memory_versions_carry_the_trainers_tensors_and_write_no_file(tmp_path, peft_model, transport):
+    engine = BlobEngine()
+    sync, _, publisher = make_sync(engine, tmp_path, keep=2, transport=transport)
+    tensors, config = policy_source(peft_model).adapter()
+
+    async def main():
+        for version in (1, 2, 3):
+            result = await sync.sync(peft_model, version, step=version)
+            assert result.bytes == len(engine.blobs[f"graft-v{version}"])
+        loaded = dict(engine.adapters)
+        await sync.close()
+        return loaded
+
+    loaded = run(main())
+    blob = engine.blobs["graft-v3"]
+    decoded = safetensors.torch.load(blob)
+    assert decoded.keys() == tensors.keys() and all(torch.equal(decoded[k], tensors[k]) for k in tensors)
+    assert blob_config(blob) == config
+    assert engine.calls[:2] == [f"load graft-v1 by {'http' if transport == 'memory' else 'shm'}", "load graft-v2 by "
+                                f"{'http' if transport == 'memory' else 'shm'}"]
+    assert engine.adapters == {}  # the window's unloads went as with disk
+    assert [p.name for p in publisher.root.iterdir() if p.name.startswith("adapter-")] == []
+    # Each version's label is unique and lies in the publish root (where graft.sync.owner looks).
+    assert loaded == {f"graft-v{v}": str(publisher.root / f"adapter-v{v:06d}.memory") for v in (2, 3)}
+
+
+def test_an_engine_refusing_the_memory_route_moves_the_run_to_disk_once(tmp_path, peft_model, caplog):
+    engine = BlobEngine(refuse=True)
+    sync, _, publisher = make_sync(engine, tmp_path, keep=2, transport="auto")
+
+    async def main():
+        with caplog.at_level(logging.WARNING, logger="graft.sync.adapter"):
+            for version in (1, 2):
+                await sync.sync(peft_model, version, step=version)
+        await sync.close()
+
+    run(main())
+    assert sync.transport == "disk" and engine.calls[0] == "load graft-v1"
+    assert caplog.text.count("go by disk from now on") == 1
+    assert (publisher.root / "adapter-v000002.ready").exists()
+
+
+def test_a_pool_member_refusing_the_route_leaves_no_memory_copy_on_the_others(tmp_path, peft_model):
+    willing, refusing = BlobEngine("http://127.0.0.1:1"), BlobEngine("http://127.0.0.1:2", refuse=True)
+    sync, _, _ = make_sync(EnginePool([willing, refusing]), tmp_path, keep=2, transport="memory")
+
+    async def main():
+        await sync.sync(peft_model, 1, step=1)
+        return dict(willing.adapters), dict(refusing.adapters)
+
+    on_willing, on_refusing = run(main())
+    assert sync.transport == "disk"
+    assert on_willing == on_refusing == {"graft-v1": str(tmp_path / "weights" / "adapter-v000001")}
+    assert willing.calls == ["load graft-v1 by http", "unload graft-v1", "load graft-v1"]
