@@ -2,6 +2,10 @@
 
 For each model shape, one bf16 vLLM server; each mode publishes a new version and applies it:
 - adapter: publish the LoRA adapter (PEFT format) and load it as `<name>-v<N>` (unloading old ones);
+- adapter-memory, adapter-memory-shm: the same sync by `sync.transport` memory (the adapter as one
+  blob in the HTTP body, no file) and shm (the blob in a shared-memory segment); these three run
+  interleaved for at least `ADAPTER_ROUNDS` rounds (each costs a tenth of a second), with a new
+  policy each round;
 - merged: publish base + LoRA merged (fp32 math) and reload the server's weights from it;
 - full: publish the full weights of a model without LoRA and reload them (full fine-tuning);
 - adapter_publish: the publishing part of adapter sync alone (files, fsync, hashes, manifest);
@@ -126,9 +130,16 @@ def bench_server(shape: ModelShape, work: Path, max_lora_rank: int, console: Con
 
 def bench_syncs(engine: RolloutEngine, work: Path) -> tuple[AdapterSync, MergedSync]:
     """The adapter and merged syncs the sync benches measure, publishing under WORK/weights."""
-    adapter_sync = AdapterSync(engine, WeightPublisher(work / "weights", keep_versions=3), lora_name="bench",
-                               keep_versions=3, max_loras=4, inflight=InFlightVersions())
-    return adapter_sync, MergedSync(engine, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
+    merged = MergedSync(engine, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
+    return adapter_bench_sync(engine, work, "disk"), merged
+
+
+def adapter_bench_sync(engine: RolloutEngine, work: Path, transport: str) -> AdapterSync:
+    """An adapter sync by `transport` keeping 3 versions, with its own publish root and lora.name (one
+    run per root and name): WORK/weights for disk, WORK/weights-<transport> otherwise."""
+    root = work / ("weights" if transport == "disk" else f"weights-{transport}")
+    return AdapterSync(engine, WeightPublisher(root, keep_versions=3), lora_name=f"bench-{transport}", keep_versions=3,
+                       max_loras=4, inflight=InFlightVersions(), transport=transport)
 
 
 def medians(samples: dict[str, list[tuple[float, int]]]) -> dict[str, tuple[float, int]]:
@@ -161,31 +172,57 @@ class FullSync:
                           publish_seconds=published_at - start, apply_seconds=done - published_at,
                           bytes=published.bytes, engine_adapters_loaded=0, unload_failures=0)
 
+# Adapter transports: rounds at least, medians over them (a round of the three costs ~0.3 s at 0.5B).
+ADAPTER_ROUNDS = 20
+ADAPTER_MODES = {"adapter": "disk", "adapter-memory": "memory", "adapter-memory-shm": "shm"}
+
+
+def _new_policy_weights(policy: nn.Module) -> None:
+    with torch.no_grad():  # a new policy each round, as after an optimizer step
+        for param in lora_parameters(policy).values():
+            param.normal_(std=0.01)
+
+
+async def _adapter_rounds(client: VllmClient, policy: nn.Module, work: Path, rounds: int, progress, task
+                          ) -> dict[str, list[tuple[float, int]]]:
+    """The adapter transports interleaved, `rounds` counted after one warm-up; also the disk sync's
+    publishing part alone (adapter_publish)."""
+    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in (*ADAPTER_MODES, "adapter_publish")}
+    syncs = {mode: adapter_bench_sync(client, work, transport) for mode, transport in ADAPTER_MODES.items()}
+    try:
+        for version in range(1, rounds + 2):  # version 1 warms up, not counted
+            _new_policy_weights(policy)
+            results = {mode: await sync.sync(policy, version, version) for mode, sync in syncs.items()}
+            if version > 1:
+                for mode, result in results.items():
+                    samples[mode].append((result.seconds, result.bytes))
+                samples["adapter_publish"].append((results["adapter"].publish_seconds, results["adapter"].bytes))
+            progress.advance(task)
+    finally:
+        for sync in syncs.values():
+            await sync.close()
+    return samples
+
+
 async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
     policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
     full_model = load_model(base, dtype="bfloat16")
-    samples: dict[str, list[tuple[float, int]]] = {
-        m: [] for m in ("adapter", "adapter_publish", "merged", "full", "raw_write")}
+    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in ("merged", "full", "raw_write")}
     async with VllmClient(url) as client:
-        adapter_sync, merged_sync = bench_syncs(client, work)
-        full_sync = FullSync(client, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
-        try:
-            for version in range(1, repeats + 2):  # version 1 warms up, not counted
-                with torch.no_grad():  # a new policy each round, as after an optimizer step
-                    for param in lora_parameters(policy).values():
-                        param.normal_(std=0.01)
-                results = {"adapter": await adapter_sync.sync(policy, version, version),
-                           "merged": await merged_sync.sync(policy, version, version),
-                           "full": await full_sync.sync(full_model, version, version)}
-                raw = raw_write_seconds(policy, work / f"raw-{version}.safetensors")
-                if version > 1:
-                    for mode, result in results.items():
-                        samples[mode].append((result.seconds, result.bytes))
-                    samples["adapter_publish"].append((results["adapter"].publish_seconds, results["adapter"].bytes))
-                    samples["raw_write"].append(raw)
-                progress.advance(task)
-        finally:
-            await adapter_sync.close()
+        samples |= await _adapter_rounds(client, policy, work, max(repeats, ADAPTER_ROUNDS), progress, task)
+        merged_sync = MergedSync(client, WeightPublisher(work / "weights-merged", keep_versions=1),
+                                 dtype=torch.bfloat16)
+        full_sync = FullSync(client, WeightPublisher(work / "weights-merged", keep_versions=1), dtype=torch.bfloat16)
+        for version in range(1, repeats + 2):  # version 1 warms up, not counted
+            _new_policy_weights(policy)
+            results = {"merged": await merged_sync.sync(policy, version, version),
+                       "full": await full_sync.sync(full_model, version, version)}
+            raw = raw_write_seconds(policy, work / f"raw-{version}.safetensors")
+            if version > 1:
+                for mode, result in results.items():
+                    samples[mode].append((result.seconds, result.bytes))
+                samples["raw_write"].append(raw)
+            progress.advance(task)
     return medians(samples)
 
 
@@ -198,7 +235,8 @@ def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), rep
         with (tempfile.TemporaryDirectory(prefix=f"graft-bench-sync-{name}-") as tmp,
               bench_server(shape, Path(tmp), shape.rank, console) as (base, server),
               Progress(transient=True, console=console) as progress):
-            task = progress.add_task(f"{name}: sync rounds (adapter, merged, full, raw write)", total=repeats + 1)
+            task = progress.add_task(f"{name}: sync rounds (adapter by 3 transports, then merged, full, raw write)",
+                                     total=max(repeats, ADAPTER_ROUNDS) + repeats + 2)
             by_mode = asyncio.run(_rounds(server.url, base, Path(tmp), shape, repeats, progress, task))
         rows += [{"model": name, "mode": mode, "seconds": seconds, "bytes": size}
                  for mode, (seconds, size) in by_mode.items()]
@@ -215,8 +253,13 @@ def print_sync_report(result: dict) -> None:
     for model, modes in by_model.items():
         for mode, row in modes.items():
             table.add_row(model, mode, f"{row['seconds']:.3f}", f"{row['bytes'] / 2**20:.1f}",
-                          f"{row['seconds'] / modes['adapter']['seconds']:.1f}")
+                          f"{row['seconds'] / modes['adapter']['seconds']:.2f}")
     Console().print(table)
+    for model, modes in by_model.items():
+        fastest = min(("adapter-memory", "adapter-memory-shm"), key=lambda m: modes[m]["seconds"])
+        print(f"{model}: {fastest} takes {modes[fastest]['seconds'] / modes['adapter']['seconds']:.2f}x the disk "
+              f"adapter sync's time; full takes {modes['full']['seconds'] / modes[fastest]['seconds']:.1f}x "
+              f"{fastest}'s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
