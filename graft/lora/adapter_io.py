@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import peft
@@ -113,6 +115,37 @@ def adapter_tensors(lora: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dic
     CPU, contiguous, `dtype`). Split from `adapter_state_dict` so that an FSDP2 run's rank 0 can
     publish the LoRA weights it gathered after the step without holding a model to read them from."""
     return {peft_key(name): tensor.to(device="cpu", dtype=dtype).contiguous() for name, tensor in lora.items()}
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What a sync reads of a LoRA model besides the tensors: its PEFT config, the dtype served, and where
+    each LoRA parameter lives (training name, owning module, attribute). Fixed once LoRA is attached,
+    so read once per model (`adapter_layout`): each read walks every module several times, measured
+    35-70 ms per sync at the Qwen2.5-0.5B shape (24 layers, 2 cores; by name, `get_parameter`, still
+    13 ms) against 20 ms for everything else a publish does."""
+
+    config: dict
+    dtype: torch.dtype
+    owners: tuple[tuple[str, nn.Module, str], ...]
+
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        """Every LoRA parameter (detached) by training name, as the model holds it now."""
+        return {name: module._parameters[attr].detach() for name, module, attr in self.owners}
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, AdapterLayout] = weakref.WeakKeyDictionary()
+
+
+def adapter_layout(model: peft.PeftModel) -> AdapterLayout:
+    """`model`'s `AdapterLayout`, read at the first call (which checks the model, see
+    `_check_lora_model`) and remembered for the model's life."""
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        owners = tuple((name, model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                       for name in lora_parameters(model))
+        layout = _LAYOUTS[model] = AdapterLayout(adapter_config_dict(model), model_dtype(model), owners)
+    return layout
 
 
 def _short_target_modules(model: peft.PeftModel) -> list[str] | None:

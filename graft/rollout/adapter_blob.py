@@ -1,44 +1,200 @@
-"""An adapter as one safetensors blob: its tensors (PEFT names) and its PEFT config in the metadata.
+"""An adapter as one blob: the safetensors format, the PEFT config in its metadata, held in bytes or in a
+shared-memory segment of this host.
 
 The wire format of adapters that reach an engine from memory (`RolloutEngine.load_adapter_blob`;
 vLLM's side: graft.rollout.vllm.server.lora_memory). Made once per version and sent as it is to every
-engine of a pool; readers take the config from the header without decoding a tensor.
+engine of a pool. Written here rather than by `safetensors.torch.save` so that each tensor is copied
+once, straight into its place (measured at the Qwen2.5-0.5B shape, r16, 16.8 MiB: safetensors' save
+17 ms, then 5 ms more to put its bytes in a segment); read here so that each tensor is copied once
+out of a mapped segment, into fresh memory the engine may scale in place.
+
+Segments live in /dev/shm, readable by this user only, named `graft-lora-<32 hex>`; the creator
+unlinks its segment once the load call returned (a reader that mapped it keeps its pages).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import re
+import secrets
 import struct
+import warnings
+from dataclasses import dataclass
+
+import torch
 
 CONFIG_KEY = "adapter_config"  # safetensors metadata: the adapter_config.json text
+SHM_DIR = "/dev/shm"
+SEGMENT_RE = re.compile(r"graft-lora-[0-9a-f]{32}")
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 class BlobError(ValueError):
-    """Bytes that are not an adapter blob."""
+    """Bytes that are not an adapter blob, or a segment that cannot be read."""
 
 
-def adapter_blob(tensors: dict, config: dict) -> bytes:
-    """`tensors` (PEFT names; copied to the CPU) as one safetensors blob with the PEFT `config` in its
-    metadata."""
-    import safetensors.torch
+@dataclass(frozen=True)
+class SharedBlob:
+    """A blob in shared-memory segment `segment` of this host, `size` bytes long."""
 
-    host = {key: tensor.detach().to(device="cpu") for key, tensor in tensors.items()}
-    return safetensors.torch.save(host, metadata={"format": "pt", CONFIG_KEY: json.dumps(config, sort_keys=True)})
+    segment: str
+    size: int
+
+    def release(self) -> None:
+        drop_segment(self.segment)
 
 
-def blob_config(blob: bytes) -> dict:
-    """The PEFT config stored in a blob's metadata (header only: no tensor is decoded).
+def _layout(tensors: dict[str, torch.Tensor], config: dict) -> tuple[bytes, list[tuple[torch.Tensor, int]]]:
+    """The blob's prefix (length + JSON header) and each tensor with its offset after the prefix."""
+    header: dict = {"__metadata__": {"format": "pt", CONFIG_KEY: json.dumps(config, sort_keys=True)}}
+    placed, offset = [], 0
+    for key, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise BlobError(f"{key}: an adapter blob carries {sorted(_DTYPES.values())}, not {tensor.dtype}")
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + size]}
+        placed.append((tensor, offset))
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # tensors start 8-byte aligned, as safetensors writes them
+    return struct.pack("<Q", len(text)) + text, placed
+
+
+def _fill(buffer, prefix: bytes, placed: list[tuple[torch.Tensor, int]]) -> None:
+    """Write the blob into the writable `buffer`: each tensor copied once (from any device)."""
+    buffer[:len(prefix)] = prefix
+    for tensor, offset in placed:
+        if tensor.numel():
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            torch.frombuffer(buffer, dtype=torch.uint8, count=raw.numel(), offset=len(prefix) + offset).copy_(raw)
+
+
+def _size(prefix: bytes, placed: list[tuple[torch.Tensor, int]]) -> int:
+    return len(prefix) + sum(t.numel() * t.element_size() for t, _ in placed)
+
+
+def adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> bytes:
+    """`tensors` (PEFT names) and the PEFT `config` as one blob in bytes (for an HTTP body)."""
+    prefix, placed = _layout(tensors, config)
+    buffer = bytearray(_size(prefix, placed))
+    _fill(buffer, prefix, placed)
+    return bytes(buffer)
+
+
+def shared_adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
+    """The same blob in a new shared-memory segment; the caller releases it after the load call."""
+    prefix, placed = _layout(tensors, config)
+    size = _size(prefix, placed)
+    name = f"graft-lora-{secrets.token_hex(16)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as buffer:
+            _fill(buffer, prefix, placed)
+    except BaseException:
+        drop_segment(name)
+        raise
+    finally:
+        os.close(fd)
+    return SharedBlob(name, size)
+
+
+def segment_path(name: str) -> str:
+    """The file of segment `name`. Names are checked: a server must never open an arbitrary file for a client.
+
+    Raises:
+        BlobError: not a graft segment name.
+    """
+    if not SEGMENT_RE.fullmatch(name):
+        raise BlobError(f"not a graft shared-memory segment name: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def new_segment(data: bytes) -> SharedBlob:
+    """A new segment holding `data` (what a server does with a blob that came in a request body)."""
+    name = f"graft-lora-{secrets.token_hex(16)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as segment:
+        segment.write(data)
+    return SharedBlob(name, len(data))
+
+
+def map_segment(name: str) -> mmap.mmap:
+    """Segment `name` mapped copy-on-write: no byte is copied, the pages stay after the creator unlinks
+    the name, and nothing written through the map reaches the segment.
+
+    Raises:
+        BlobError: a bad name, or no such segment on this host.
+    """
+    try:
+        fd = os.open(segment_path(name), os.O_RDONLY)
+    except FileNotFoundError:
+        raise BlobError(f"no shared-memory segment {name!r} on the server's host (the shm transport needs "
+                        "trainer and server on one host)") from None
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+
+
+def drop_segment(name: str) -> None:
+    try:
+        os.unlink(segment_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def _header(blob) -> tuple[dict, int]:
+    """The parsed JSON header and where the tensor data starts."""
+    try:
+        (length,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(bytes(blob[8:8 + length]))
+    except (struct.error, ValueError, TypeError):
+        raise BlobError("not a safetensors blob") from None
+    if not isinstance(header, dict):
+        raise BlobError("not a safetensors blob")
+    return header, 8 + length
+
+
+def blob_config(blob) -> dict:
+    """The PEFT config in a blob's metadata (header only: no tensor is decoded).
 
     Raises:
         BlobError: not a safetensors blob, or no parsable `CONFIG_KEY` in its metadata.
     """
     try:
-        (header_bytes,) = struct.unpack("<Q", blob[:8])
-        metadata = json.loads(blob[8:8 + header_bytes]).get("__metadata__") or {}
-        config = json.loads(metadata[CONFIG_KEY])
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+        config = json.loads(_header(blob)[0]["__metadata__"][CONFIG_KEY])
+    except (BlobError, ValueError, KeyError, TypeError):
         raise BlobError(f"expected a safetensors blob whose metadata holds the PEFT config under "
                         f"{CONFIG_KEY!r}") from None
     if not isinstance(config, dict):
         raise BlobError(f"the blob's {CONFIG_KEY!r} is not a JSON object")
     return config
+
+
+def blob_tensors(blob) -> dict[str, torch.Tensor]:
+    """Fresh tensors decoded from `blob` (bytes or a map): each copied once, never sharing the blob's memory.
+
+    Raises:
+        BlobError: a malformed header, an unknown dtype, or data outside the blob.
+    """
+    header, start = _header(blob)
+    tensors = {}
+    with warnings.catch_warnings():  # a read-only buffer: every view is cloned before anyone writes
+        warnings.simplefilter("ignore", UserWarning)
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = _TORCH_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+                count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+                view = torch.frombuffer(blob, dtype=dtype, count=count, offset=start + begin) if count else \
+                    torch.empty(0, dtype=dtype)
+                tensors[key] = view.reshape(shape).clone()
+            except (KeyError, TypeError, ValueError, RuntimeError) as error:
+                raise BlobError(f"tensor {key!r}: {error}") from None
+    return tensors

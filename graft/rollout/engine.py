@@ -108,10 +108,10 @@ class RolloutEngine(Protocol):
     server reports it (vLLM): how a run tells a live run's adapters from an ended one's
     (graft.sync.owner).
 
-    Optional: `async load_adapter_blob(name, label, blob, transport)`, an adapter loaded from the
-    caller's memory with no file (`graft.rollout.adapter_blob`); `label` names the version where a
-    path would (unique per version); `transport` is one of the engine's `memory_transports`.
-    TransportUnsupportedError where that engine cannot."""
+    Optional: `async load_adapter_blob(name, label, blob)`, an adapter loaded from the caller's
+    memory with no file (`graft.rollout.adapter_blob`: bytes, or a `SharedBlob` segment of this
+    host); `label` names the version where a path would (unique per version); `memory_transports`
+    says which the engine takes ("http" for bytes, "shm"). TransportUnsupportedError where it cannot."""
 
     async def generate(self, requests: list[GenerateRequest], adapter: str | None = None) -> list[list[Completion]]:
         """For each request, `params.n` completions from the base model (adapter None) or the

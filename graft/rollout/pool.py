@@ -32,6 +32,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Sequence
 
+from graft.rollout.adapter_blob import SharedBlob
 from graft.rollout.engine import (
     Completion,
     EngineError,
@@ -231,15 +232,16 @@ class EnginePool:
         """Load on every live engine at once; PoolBroadcastError if it failed (module docstring)."""
         await self._broadcast(f"load_adapter({name!r})", lambda e: e.load_adapter(name, path))
 
-    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
-        """Load from memory on every live engine at once (`RolloutEngine`'s optional method);
-        TransportUnsupportedError, before any load, if a live engine does not take `transport`."""
+    async def load_adapter_blob(self, name: str, label: str, blob: bytes | SharedBlob) -> None:
+        """Load from memory on every live engine at once (`RolloutEngine`'s optional method), the same
+        blob to all; TransportUnsupportedError, before any load, if a live engine does not take it."""
+        transport = "shm" if isinstance(blob, SharedBlob) else "http"
         lacking = [engine_address(e) for e in self.engines if transport not in getattr(e, "memory_transports", ())]
         if lacking:
             raise TransportUnsupportedError(f"{', '.join(lacking)} cannot load adapters by {transport}",
                                             address=self.address)
         await self._broadcast(f"load_adapter_blob({name!r})",
-                              lambda e: e.load_adapter_blob(name, label, blob, transport))
+                              lambda e: e.load_adapter_blob(name, label, blob))
 
     @property
     def memory_transports(self) -> tuple[str, ...]:

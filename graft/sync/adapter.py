@@ -170,12 +170,17 @@ class AdapterSync:
             if self._keep:
                 await self._make_room(tried)
             name = adapter_name(self._lora_name, version)
+            refused = None
             try:
                 await prepared.load(self._engine, name)
             except EngineError as error:
                 if not _unsupported(error):
                     raise
-                prepared = await self._fall_back_to_disk(error, name, version, step, tensors, config)
+                refused = error
+            finally:
+                prepared.release()
+            if refused is not None:
+                prepared = await self._fall_back_to_disk(refused, name, version, step, tensors, config)
                 await prepared.load(self._engine, name)
             self._loaded.append(version)
             self._current = version

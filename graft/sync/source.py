@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from graft.lora.adapter_io import adapter_config_dict, adapter_state_dict
+from graft.lora.adapter_io import adapter_layout, adapter_tensors
 from graft.lora.attach import lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.rl.logprobs import sequence_logprobs
@@ -65,7 +65,8 @@ class ModelSource:
         return {name: param.detach() for name, param in lora_parameters(self.model).items()}
 
     def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        return adapter_state_dict(self.model, dtype), adapter_config_dict(self.model)
+        layout = adapter_layout(self.model)
+        return adapter_tensors(layout.lora_tensors(), dtype or layout.dtype), dict(layout.config)
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_merged_weights(self.model, dtype)

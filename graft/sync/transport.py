@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 from graft.config import LOOPBACK_HOSTS
 from graft.lora.adapter_io import write_adapter_files
-from graft.rollout.adapter_blob import adapter_blob
+from graft.rollout.adapter_blob import adapter_blob, shared_adapter_blob
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import EnginePool
 from graft.sync.publish import WeightPublisher, read_version, version_dir_name
@@ -41,10 +41,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prepared:
-    """A version ready to load: its size, and the call that loads it into an engine under a name."""
+    """A version ready to load: its size, the call that loads it into an engine under a name, and what
+    frees what it holds once loaded (a shared-memory segment)."""
 
     bytes: int
     load: Callable[[RolloutEngine, str], Awaitable[None]]
+    release: Callable[[], None] = lambda: None
 
 
 class DiskTransport:
@@ -76,9 +78,15 @@ class MemoryTransport:
         self.name = "memory" if kind == "http" else kind
 
     async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
-        blob = await asyncio.to_thread(adapter_blob, tensors, config)
+        """The blob, in bytes or in a segment (each tensor copied once, in a worker thread)."""
+        if self.kind == "shm":
+            blob = await asyncio.to_thread(shared_adapter_blob, tensors, config)
+            size, release = blob.size, blob.release
+        else:
+            blob = await asyncio.to_thread(adapter_blob, tensors, config)
+            size, release = len(blob), Prepared.release
         label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
-        return Prepared(len(blob), lambda engine, name: engine.load_adapter_blob(name, label, blob, self.kind))
+        return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob), release)
 
 
 TRANSPORTS: dict[str, Callable[[WeightPublisher], DiskTransport | MemoryTransport]] = {

@@ -29,9 +29,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from graft.lora.adapter_io import adapter_config_dict, adapter_tensors
+from graft.lora.adapter_io import adapter_layout, adapter_tensors
 from graft.lora.merge import iter_merged_weights, run_merge_gathers
-from graft.models.loading import model_dtype
 from graft.rl.logprobs import sequence_logprobs
 from graft.sync.source import probe_logits_finite
 from graft.train.dist import Dist, broadcast_ints, full_tensor
@@ -136,8 +135,8 @@ class ShardedSource:
 
     def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """From the gathered LoRA tensors: no collective, no base weight read."""
-        config = adapter_config_dict(self.model)  # checks the model is a LoRA PEFT model first
-        return adapter_tensors(self._lora, dtype or model_dtype(self.model)), config
+        layout = adapter_layout(self.model)  # checks the model is a LoRA PEFT model first
+        return adapter_tensors(self._lora, dtype or layout.dtype), dict(layout.config)
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Announced when the writer starts reading: the other ranks gather module by module with us."""

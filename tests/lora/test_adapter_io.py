@@ -267,3 +267,22 @@ def test_an_adapter_saved_from_a_cuda_model_loads_into_a_cuda_model(tiny_model_d
         assert torch.equal(param, lora_parameters(trained)[name]), name
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=input_ids.cuda()).logits, trained(input_ids=input_ids.cuda()).logits)
+
+
+def test_a_sync_reads_the_layout_once_and_the_tensors_every_time(tiny_model_dirs):
+    from graft.lora.adapter_io import adapter_config_dict, adapter_layout, adapter_state_dict
+    from graft.sync.source import ModelSource
+
+    model = trained_like_peft_model(tiny_model_dirs["qwen2"], rank=4, seed=2)
+    source = ModelSource(model)
+    tensors, config = source.adapter()
+    before = {k: t.clone() for k, t in tensors.items()}
+    assert config == adapter_config_dict(model) and adapter_layout(model) is adapter_layout(model)
+    assert before.keys() == adapter_state_dict(model).keys()
+    assert all(torch.equal(before[k], t) for k, t in adapter_state_dict(model).items())
+    with torch.no_grad():  # an optimizer step: new values in the same parameters
+        for param in lora_parameters(model).values():
+            param.mul_(3).add_(0.5)
+    after, _ = source.adapter()
+    assert all(torch.equal(after[k], t) for k, t in adapter_state_dict(model).items())
+    assert not any(torch.equal(after[k], before[k]) for k in before)

@@ -3,12 +3,13 @@ engines, that memory versions write nothing and carry exactly the trainer's tens
 refusing the memory route moves the run to disk once, with nothing left loaded twice."""
 
 import logging
+import os
 
 import pytest
 import safetensors.torch
 import torch
 
-from graft.rollout.adapter_blob import blob_config
+from graft.rollout.adapter_blob import SHM_DIR, SharedBlob, blob_config, map_segment
 from graft.rollout.engine import TransportUnsupportedError
 from graft.rollout.pool import EnginePool
 from graft.sync.source import policy_source
@@ -26,10 +27,13 @@ class BlobEngine(RecordingEngine):
         super().__init__()
         self.address, self.refuse, self.blobs = address, refuse, {}
 
-    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
+    async def load_adapter_blob(self, name: str, label: str, blob) -> None:
         if self.refuse:
             raise TransportUnsupportedError("this server has no graft memory route", address=self.address, status=404)
-        assert transport in self.memory_transports and name not in self.adapters
+        assert name not in self.adapters
+        transport = "shm" if isinstance(blob, SharedBlob) else "http"
+        if transport == "shm":  # read it now, as the server maps it during the call
+            blob = bytes(map_segment(blob.segment))
         self.adapters[name], self.blobs[name] = label, blob
         self.calls.append(f"load {name} by {transport}")
         self.history.append(frozenset(self.adapters))
@@ -79,6 +83,7 @@ def test_memory_versions_carry_the_trainers_tensors_and_write_no_file(tmp_path, 
                                 f"{'http' if transport == 'memory' else 'shm'}"]
     assert engine.adapters == {}  # the window's unloads went as with disk
     assert [p.name for p in publisher.root.iterdir() if p.name.startswith("adapter-")] == []
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("graft-lora-")]  # every segment released
     # Each version's label is unique and lies in the publish root (where graft.sync.owner looks).
     assert loaded == {f"graft-v{v}": str(publisher.root / f"adapter-v{v:06d}.memory") for v in (2, 3)}
 

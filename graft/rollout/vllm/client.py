@@ -35,6 +35,7 @@ import os
 
 import httpx
 
+from graft.rollout.adapter_blob import SharedBlob
 from graft.rollout.api_key import auth_headers, raise_if_unauthorized
 from graft.rollout.engine import (
     BadRequestError,
@@ -47,7 +48,6 @@ from graft.rollout.engine import (
 from graft.rollout.http_util import answer_while_alive, error_for, gather_cancel_on_error, send, server_message
 from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
 from graft.rollout.vllm.server.lora_memory import ROUTE as MEMORY_ROUTE
-from graft.rollout.vllm.server.lora_memory import drop_segment, new_segment
 
 
 def completion_payload(request: GenerateRequest, model: str) -> dict:
@@ -238,23 +238,20 @@ class VllmClient:
     # "http": the blob in the request body; "shm": in a shared-memory segment, for a server on this host.
     memory_transports = ("http", "shm")
 
-    async def load_adapter_blob(self, name: str, label: str, blob: bytes, transport: str = "http") -> None:
-        """Load the adapter in `blob` (graft.rollout.adapter_blob) under `name`, no file written, through
-        graft's memory route (graft.rollout.vllm.server.lora_memory). `label` stands where a path
-        would (`/v1/models` shows it as the adapter's root): unique per version.
+    async def load_adapter_blob(self, name: str, label: str, blob: bytes | SharedBlob) -> None:
+        """Load the adapter in `blob` (graft.rollout.adapter_blob: bytes go in the request body, a
+        segment by name) under `name`, no file written, through graft's memory route
+        (graft.rollout.vllm.server.lora_memory). `label` stands where a path would: unique per version.
 
         Raises:
             TransportUnsupportedError: the server has no memory route (a vLLM not started by graft,
-                404) or cannot use it (501), or the shm segment is not on the server's host.
+                404) or cannot use it (501), or the segment is not on the server's host.
             AdapterAlreadyLoadedError, BadRequestError, EngineUnavailableError: as `load_adapter`.
         """
-        if transport not in self.memory_transports:
-            raise ValueError(f"transport must be one of {self.memory_transports}, got {transport!r}")
         params = {"lora_name": name, "lora_path": label}
-        segment = new_segment(blob) if transport == "shm" else None
         try:
-            if segment is not None:
-                await self._call("POST", MEMORY_ROUTE, params={**params, "shm": segment})
+            if isinstance(blob, SharedBlob):
+                await self._call("POST", MEMORY_ROUTE, params={**params, "shm": blob.segment})
             else:
                 await self._call("POST", MEMORY_ROUTE, params=params, content=blob,
                                  headers={"content-type": "application/octet-stream"})
@@ -265,9 +262,6 @@ class VllmClient:
                                                 "this server has no graft memory route (not started by graft)",
                                                 address=self.address, status=error.status) from error
             raise
-        finally:
-            if segment is not None:
-                drop_segment(segment)
 
     async def unload_adapter(self, name: str) -> None:
         """Unload adapter `name`; UnknownAdapterError if it is not loaded."""

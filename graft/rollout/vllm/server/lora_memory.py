@@ -3,23 +3,21 @@
 vLLM loads a LoRA adapter only from a directory (`/v1/load_lora_adapter` -> engine `add_lora` ->
 worker `LRUCacheWorkerLoRAManager._load_adapter`, which reads `adapter_config.json` and
 `adapter_model.safetensors`), and reads it again from there whenever the adapter was evicted from
-its CPU cache and a request names it. This route takes the adapter as one blob (graft.rollout.adapter_blob:
-safetensors with the PEFT config in its metadata), in the request body or in a shared-memory
-segment of the same host (`?shm=<segment>`), and:
-
-1. stages the blob in every worker (`MemoryAdapterWorker.graft_stage_adapter`, through vLLM's
-   `collective_rpc`; the blob crosses to the workers in a shared-memory segment, never pickled),
-   keyed by the request's `lora_path`, which names no file: it is a label, unique per version;
-2. asks vLLM's own `load_lora_adapter` to load `lora_name` from that label. The worker's hooked
-   `_load_adapter` finds the label staged and builds the LoRA from fresh tensors decoded from the
-   blob, through vLLM's own config validation, name mapping and module checks; any other path
-   loads from disk as before.
+its CPU cache and a request names it. This route takes the adapter as one blob
+(graft.rollout.adapter_blob: safetensors with the PEFT config in its metadata) in a shared-memory
+segment of the same host (`?shm=<segment>`), or in the request body (put into a segment here), and
+asks vLLM's own `load_lora_adapter` to load it from `memory_path(label, segment)`. That path names
+no file: the label is unique per version (vLLM's prefix-cache key is (name, path)) and the segment
+says where the bytes are. In each worker the hooked `_load_adapter` (installed once per server by
+`MemoryAdapterWorker.graft_load_from_memory`) maps such a segment at the first load, keeps the map
+while the adapter is registered, and builds the LoRA from fresh tensors decoded from it, through
+vLLM's own config validation, name mapping and module checks; any other path loads from disk as
+before. No extra call reaches the engine: the blob travels inside vLLM's own `add_lora`.
 
 So every later step is vLLM's own: the name registry, the API key (the route is under /v1), the
-unload route (patched to drop the staged blobs too), `/v1/models` (whose `root` shows the label). A
+unload route (patched to drop the mapped blobs too), `/v1/models` (whose `root` shows the path). A
 reload after an LRU eviction decodes the blob again: the tensors are never the ones an earlier load
 scaled in place (`LoRALayerWeights.optimize`), so any number of evictions serves the same weights.
-The label must be unique per version: vLLM's prefix-cache key is (name, path).
 
 The workers get the methods through vLLM's `--worker-extension-cls` (the launcher passes
 `WORKER_EXTENSION`); a server without it answers this route with 501, and clients fall back to disk.
@@ -28,68 +26,47 @@ The workers get the methods through vLLM's `--worker-extension-cls` (the launche
 registration, and the name lives inside `add_memory_route`, not in this module's globals.)
 """
 
+import asyncio
 import os
 import re
-import secrets
 
-from graft.rollout.adapter_blob import blob_config
+from graft.rollout.adapter_blob import SEGMENT_RE, BlobError, blob_tensors, map_segment, new_segment, segment_path
 
 ROUTE = "/v1/graft/load_lora_adapter"
 WORKER_EXTENSION = "graft.rollout.vllm.server.lora_memory.MemoryAdapterWorker"
-SHM_DIR = "/dev/shm"
-_SEGMENT_RE = re.compile(r"^graft-lora-[0-9a-f]{32}$")
+_MEMORY_PATH_RE = re.compile(rf"(?P<label>.*)#(?P<segment>{SEGMENT_RE.pattern})")
 
 
-class StagingError(ValueError):
-    """A segment the route cannot use."""
+def memory_path(label: str, segment: str) -> str:
+    """The `lora_path` vLLM registers a memory adapter under: `<label>#<segment>`."""
+    return f"{label}#{segment}"
 
 
-# -- shared-memory segments (both sides) ------------------------------------------------------------
-
-def new_segment(data: bytes | memoryview) -> str:
-    """A new shared-memory segment holding `data`, readable by this user only; its name. The creator
-    unlinks it (`drop_segment`) once the load call returned."""
-    name = f"graft-lora-{secrets.token_hex(16)}"
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as segment:
-        segment.write(data)
-    return name
-
-
-def read_segment(name: str) -> bytes:
-    """The bytes of segment `name` (one copy into this process). Names are checked: the route must
-    never read an arbitrary file for a client."""
-    if not _SEGMENT_RE.match(name):
-        raise StagingError(f"not a graft shared-memory segment name: {name!r}")
-    try:
-        with open(os.path.join(SHM_DIR, name), "rb") as segment:
-            return segment.read()
-    except FileNotFoundError:
-        raise StagingError(f"no shared-memory segment {name!r} on the server's host (the shm transport "
-                           "needs trainer and server on one host)") from None
-
-
-def drop_segment(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
+def memory_segment(path: str) -> str | None:
+    """The segment a `memory_path` names; None for any other path (a directory to load from disk)."""
+    match = _MEMORY_PATH_RE.fullmatch(path)
+    return match["segment"] if match else None
 
 
 # -- worker side ----------------------------------------------------------------------------------
 
 class StagedAdapters:
-    """One worker's staged blobs (label -> blob), and the hook that loads from them, installed on its
-    LoRA manager instance at the first stage: `_load_adapter` builds a staged label's LoRA from its
-    blob, and loads any other path from disk as vLLM does."""
+    """One worker's mapped blobs (memory path -> map), and the hook that loads from them, installed on its
+    LoRA manager instance once: `_load_adapter` builds a memory path's LoRA from its blob (mapping the
+    segment at the first load), and loads any other path from disk as vLLM does."""
 
     def __init__(self, manager) -> None:
-        self.blobs: dict[str, bytes] = {}
+        self.blobs: dict = {}
         load_from_disk = manager._load_adapter
 
         def load_adapter(request):
+            segment = memory_segment(request.lora_path)
+            if segment is None:
+                return load_from_disk(request)
             blob = self.blobs.get(request.lora_path)
-            return load_from_disk(request) if blob is None else build_lora(manager, request, blob)
+            if blob is None:
+                blob = self.blobs[request.lora_path] = map_segment(segment)
+            return build_lora(manager, request, blob)
 
         manager._load_adapter = load_adapter
 
@@ -99,6 +76,12 @@ class StagedAdapters:
         if staged is None:
             staged = manager._graft_staged = cls(manager)
         return staged
+
+    def drop(self, path: str) -> bool:
+        blob = self.blobs.pop(path, None)
+        if blob is not None:
+            blob.close()
+        return blob is not None
 
 
 def expected_modules(adapters) -> set[str]:
@@ -133,12 +116,13 @@ def check_modules(names, expected: set[str], modules_to_save, mapper, skip_prefi
                          "Please verify that the loaded LoRA module is correct")
 
 
-def build_lora(manager, request, blob: bytes):
+def build_lora(manager, request, blob):
     """The LoRAModel of a staged blob, built as vLLM's `_load_adapter` builds one from a directory:
     same config validation (`PEFTHelper.validate_legal`), name mapping, module checks, dtype and
     device; the tensors decoded fresh from the blob."""
-    import safetensors.torch
     from vllm.lora.peft_helper import PEFTHelper
+
+    from graft.rollout.adapter_blob import blob_config
 
     peft_helper = PEFTHelper.from_dict(dict(blob_config(blob),
                                             vllm_max_position_embeddings=manager.max_position_embeddings))
@@ -147,7 +131,7 @@ def build_lora(manager, request, blob: bytes):
     mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
     skip_prefixes = getattr(adapters.model, "lora_skip_prefixes", None)
-    tensors = safetensors.torch.load(blob)
+    tensors = blob_tensors(blob)
     check_modules(tensors, expected_modules(adapters), peft_helper.modules_to_save, mapper, skip_prefixes,
                   request.lora_path)
     lora = manager._lora_model_cls.from_lora_tensors(
@@ -165,31 +149,37 @@ class MemoryAdapterWorker:
     """vLLM worker extension (`--worker-extension-cls WORKER_EXTENSION`): methods `collective_rpc` calls
     on every worker of the engine."""
 
-    def graft_stage_adapter(self, label: str, segment: str) -> int:
-        """Stage the blob in `segment` under `label`; its size in bytes."""
-        blob = read_segment(segment)
-        blob_config(blob)  # a bad blob fails here, before vLLM registers anything
-        StagedAdapters.of(self.model_runner.lora_manager).blobs[label] = blob
-        return len(blob)
+    def graft_load_from_memory(self) -> bool:
+        """Install the hook that loads memory paths (once per worker; idempotent)."""
+        StagedAdapters.of(self.model_runner.lora_manager)
+        return True
 
-    def graft_drop_adapter(self, label: str) -> bool:
-        """Forget the blob staged under `label` (unloaded, or its load failed); whether there was one."""
-        return StagedAdapters.of(self.model_runner.lora_manager).blobs.pop(label, None) is not None
+    def graft_drop_adapter(self, path: str) -> bool:
+        """Unmap the blob of memory path `path` (unloaded, or its load failed); whether there was one."""
+        return StagedAdapters.of(self.model_runner.lora_manager).drop(path)
 
     def graft_staged_labels(self) -> list[str]:
-        """The labels staged now (what a test checks for leaks)."""
+        """The memory paths mapped now (what a test checks for leaks)."""
         return sorted(StagedAdapters.of(self.model_runner.lora_manager).blobs)
 
 
 # -- API server side ------------------------------------------------------------------------------
 
-_memory_labels: set[str] = set()  # the API server's labels staged in the workers, until unloaded
+_pending_drops: set[asyncio.Task] = set()  # drops sent after an unload answered (kept from the GC)
+
+
+def _drop_in_workers(engine_client, path: str) -> None:
+    """Unmap `path`'s blob in every worker, without making the caller wait: vLLM's engine core runs its
+    calls in order, so no later load or listing can overtake it."""
+    task = asyncio.get_running_loop().create_task(engine_client.collective_rpc("graft_drop_adapter", args=(path,)))
+    _pending_drops.add(task)
+    task.add_done_callback(_pending_drops.discard)
 
 
 def drop_blobs_on_unload() -> None:
     """Make vLLM's unload (`/v1/unload_lora_adapter`, any client) drop a memory adapter's blobs from
     the workers. vLLM's unload only forgets the name in the API server (the worker's LoRA cache evicts
-    the weights when it needs the slot), so without this every staged version would stay in memory."""
+    the weights when it needs the slot), so without this every version's blob would stay mapped."""
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
@@ -200,11 +190,10 @@ def drop_blobs_on_unload() -> None:
     async def unload_and_drop_blobs(self, request, *args, **kwargs):
         registered = self.lora_requests.get(request.lora_name)
         answer = await unload(self, request, *args, **kwargs)
-        label = getattr(registered, "lora_path", None)
-        if label in _memory_labels and not isinstance(answer, ErrorResponse) and \
-                all(r.lora_path != label for r in self.lora_requests.values()):
-            _memory_labels.discard(label)
-            await self.engine_client.collective_rpc("graft_drop_adapter", args=(label,))
+        path = getattr(registered, "lora_path", "")
+        if memory_segment(path) and not isinstance(answer, ErrorResponse) and \
+                all(r.lora_path != path for r in self.lora_requests.values()):
+            _drop_in_workers(self.engine_client, path)
         return answer
 
     unload_and_drop_blobs._graft_drops_blobs = True
@@ -239,22 +228,25 @@ def add_memory_route(app) -> None:
         if not name or not label:
             return error(400, "expected query parameters lora_name and lora_path (the version's unique label)")
         segment = raw_request.query_params.get("shm")
-        created = segment is None
         try:
-            if created:
-                segment = new_segment(await raw_request.body())
-            await state.engine_client.collective_rpc("graft_stage_adapter", args=(label, segment))
-            _memory_labels.add(label)
-        except Exception as failure:  # the worker's error, relayed by vLLM as text
-            return error(400, f"could not stage adapter {name!r}: {failure}")
-        finally:
-            if created and segment is not None:
-                drop_segment(segment)
+            if segment is not None and not os.path.exists(segment_path(segment)):
+                raise BlobError(f"no shared-memory segment {segment!r} on the server's host (the shm transport "
+                                "needs trainer and server on one host)")
+        except BlobError as bad:
+            return error(400, str(bad))
+        if not getattr(state, "graft_loads_from_memory", False):  # once per server
+            await state.engine_client.collective_rpc("graft_load_from_memory")
+            state.graft_loads_from_memory = True
+        body_segment = new_segment(await raw_request.body()) if segment is None else None
+        path = memory_path(label, segment or body_segment.segment)
         models = state.openai_serving_models
-        answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=label))
+        try:
+            answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        finally:
+            if body_segment is not None:  # the workers mapped it, or failed
+                body_segment.release()
         if isinstance(answer, ErrorResponse):
-            if all(r.lora_path != label for r in models.lora_requests.values()):
-                _memory_labels.discard(label)
-                await state.engine_client.collective_rpc("graft_drop_adapter", args=(label,))
+            if all(r.lora_path != path for r in models.lora_requests.values()):
+                _drop_in_workers(state.engine_client, path)
             return JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
         return Response(status_code=200, content=answer)

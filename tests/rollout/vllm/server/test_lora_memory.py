@@ -12,16 +12,25 @@ import pytest
 import torch
 
 from graft.lora.adapter_io import save_adapter
-from graft.rollout.adapter_blob import BlobError, adapter_blob, blob_config
+from graft.rollout.adapter_blob import (
+    SHM_DIR,
+    BlobError,
+    SharedBlob,
+    adapter_blob,
+    blob_config,
+    blob_tensors,
+    map_segment,
+    new_segment,
+    shared_adapter_blob,
+)
 from graft.rollout.engine import (
-    BadRequestError,
     EngineError,
     GenerateRequest,
     SamplingParams,
     TransportUnsupportedError,
 )
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.server.lora_memory import SHM_DIR, StagingError, drop_segment, new_segment, read_segment
+from graft.rollout.vllm.server.lora_memory import memory_path, memory_segment
 from graft.sync.source import policy_source
 from tests.helpers import trained_like_peft_model
 from tests.sync.common import staged_labels
@@ -29,36 +38,56 @@ from tests.sync.common import staged_labels
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 302]]
 
 
-def test_a_blob_carries_its_tensors_and_config():
+def test_a_blob_carries_its_tensors_and_config_and_safetensors_reads_it():
     import safetensors.torch
 
-    tensors = {"a.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(3, 2)}
+    tensors = {"a.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(3, 2).to(torch.bfloat16),
+               "empty": torch.zeros(0, 4)}
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["a"]}
     blob = adapter_blob(tensors, config)
     assert blob_config(blob) == config
-    decoded = safetensors.torch.load(blob)
-    assert decoded.keys() == tensors.keys() and all(torch.equal(decoded[k], tensors[k]) for k in tensors)
+    for decoded in (safetensors.torch.load(blob), blob_tensors(blob)):
+        assert decoded.keys() == tensors.keys()
+        assert all(decoded[k].dtype == t.dtype and torch.equal(decoded[k], t) for k, t in tensors.items())
+    shared = shared_adapter_blob(tensors, config)
+    try:
+        mapped = map_segment(shared.segment)
+        assert bytes(mapped) == blob and shared.size == len(blob)
+        fresh = blob_tensors(mapped)
+        fresh["a.lora_A.weight"] *= 2  # what vLLM's optimize() does to lora_b: the blob stays as it was
+        assert torch.equal(blob_tensors(mapped)["a.lora_A.weight"], tensors["a.lora_A.weight"])
+    finally:
+        shared.release()
 
 
-@pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20]])
+@pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20],
+                                  adapter_blob({"x": torch.zeros(1)}, {"r": 1})[:8] + b"{}"])
 def test_a_blob_without_a_config_is_refused(blob):
     with pytest.raises(BlobError, match="adapter_config"):
         blob_config(blob)
 
 
-def test_segments_are_private_and_only_graft_names_are_read(tmp_path):
-    name = new_segment(b"\x01\x02\x03")
+def test_segments_are_private_and_only_graft_names_are_opened(tmp_path):
+    shared = new_segment(b"\x01\x02\x03")
     try:
-        assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode) == 0o600
-        assert read_segment(name) == b"\x01\x02\x03"
+        assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, shared.segment)).st_mode) == 0o600
+        mapped = map_segment(shared.segment)
     finally:
-        drop_segment(name)
-    assert not os.path.exists(os.path.join(SHM_DIR, name))
-    with pytest.raises(StagingError, match="no shared-memory segment"):
-        read_segment(name)
+        shared.release()
+    assert bytes(mapped) == b"\x01\x02\x03"  # a map outlives the name
+    assert not os.path.exists(os.path.join(SHM_DIR, shared.segment))
+    with pytest.raises(BlobError, match="no shared-memory segment"):
+        map_segment(shared.segment)
     for bad in ("../etc/passwd", "graft-lora-xyz", str(tmp_path)):
-        with pytest.raises(StagingError, match="not a graft shared-memory segment"):
-            read_segment(bad)
+        with pytest.raises(BlobError, match="not a graft shared-memory segment"):
+            map_segment(bad)
+
+
+def test_memory_paths_name_their_segment_and_no_directory_is_mistaken_for_one():
+    segment = "graft-lora-" + "ab" * 16
+    assert memory_segment(memory_path("/runs/a/weights/adapter-v000007.memory", segment)) == segment
+    assert memory_segment("/runs/a/weights/adapter-v000007") is None
+    assert memory_segment(f"/odd#dir/{segment}") is None and memory_segment(f"/x#{segment}/more") is None
 
 
 # -- against the real server ------------------------------------------------------------------------
@@ -89,9 +118,12 @@ def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_
     async def run():
         async with VllmClient(vllm_server.url) as client:
             await client.load_adapter("disk", str(tmp_path / "disk"))
-            for transport in client.memory_transports:
-                await client.load_adapter_blob(f"mem-{transport}", str(tmp_path / f"label-{transport}"), blob,
-                                               transport=transport)
+            shared = new_segment(blob)
+            try:
+                await client.load_adapter_blob("mem-http", str(tmp_path / "label-http"), blob)
+                await client.load_adapter_blob("mem-shm", str(tmp_path / "label-shm"), shared)
+            finally:
+                shared.release()
             try:
                 served = {name: await _served(client, name) for name in ("disk", "mem-http", "mem-shm")}
                 paths = await client.adapter_paths()
@@ -99,12 +131,13 @@ def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_
             finally:
                 for name in ("disk", "mem-http", "mem-shm"):
                     await client.unload_adapter(name)
-            return served, paths, staged, await _staged(vllm_server)
+            return served, paths, staged, await _staged(vllm_server), shared
 
-    served, paths, staged, after = asyncio.run(run())
+    served, paths, staged, after, shared = asyncio.run(run())
     assert served["mem-http"] == served["disk"] and served["mem-shm"] == served["disk"]
-    assert paths["mem-shm"] == str(tmp_path / "label-shm") and not os.path.exists(paths["mem-shm"])
-    assert staged == [sorted([str(tmp_path / "label-http"), str(tmp_path / "label-shm")])]
+    assert memory_segment(paths["mem-shm"]) == shared.segment and not os.path.exists(paths["mem-shm"])
+    assert paths["mem-shm"].startswith(str(tmp_path / "label-shm#"))
+    assert staged == [sorted([paths["mem-http"], paths["mem-shm"]])]
     assert after == [[]]  # the unload dropped the blobs
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith("graft-lora-")]  # every segment unlinked
 
@@ -144,9 +177,10 @@ def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_se
                 with pytest.raises(EngineError) as error:
                     await client.load_adapter_blob("bad", str(tmp_path / "bad"), adapter)
                 errors.append(str(error.value))
-            with pytest.raises(BadRequestError, match="adapter_config"):
+            with pytest.raises(EngineError, match="adapter_config"):
                 await client._call("POST", "/v1/graft/load_lora_adapter", params={"lora_name": "b", "lora_path": "x"},
                                    content=b"junk")
+            errors.append("")
             return errors, await client.list_adapters(), await _staged(vllm_server)
 
     errors, loaded, staged = asyncio.run(run())
@@ -155,15 +189,10 @@ def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_se
 
 
 @pytest.mark.vllm
-def test_the_shm_transport_to_a_segment_the_server_cannot_see_is_unsupported(vllm_server, monkeypatch):
-    from graft.rollout.vllm import client as client_module
-
-    monkeypatch.setattr(client_module, "new_segment", lambda blob: "graft-lora-" + "0" * 32)  # nothing there
-
+def test_the_shm_transport_to_a_segment_the_server_cannot_see_is_unsupported(vllm_server):
     async def run():
         async with VllmClient(vllm_server.url) as client:
-            blob = adapter_blob({}, {"peft_type": "LORA"})
-            await client.load_adapter_blob("far", "/nowhere/far", blob, transport="shm")
+            await client.load_adapter_blob("far", "/nowhere/far", SharedBlob("graft-lora-" + "0" * 32, 8))
 
     with pytest.raises(TransportUnsupportedError, match="one host"):
         asyncio.run(run())
