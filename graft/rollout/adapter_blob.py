@@ -8,8 +8,11 @@ once, straight into its place (measured at the Qwen2.5-0.5B shape, r16, 16.8 MiB
 17 ms, then 5 ms more to put its bytes in a segment); read here so that each tensor is copied once
 out of a mapped segment, into fresh memory the engine may scale in place.
 
-Segments live in /dev/shm, readable by this user only, named `graft-lora-<32 hex>`; the creator
-unlinks its segment once the load call returned (a reader that mapped it keeps its pages).
+Segments live in /dev/shm, readable by this user only, named `graft-lora-<creator pid>-<16 hex>`. A
+one-off segment is unlinked by its creator once the load call returned (a reader that mapped it
+keeps its pages). A trainer reuses its segments instead (`SegmentPool`): a new tmpfs segment pays
+for its pages at every version (measured at the 0.5B shape, 16.8 MiB, on 2 loaded cores: 35-70 ms
+to create and fill, against 17 ms for everything else of a sync by shm), a reused one only the copy.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 CONFIG_KEY = "adapter_config"  # safetensors metadata: the adapter_config.json text
 SHM_DIR = "/dev/shm"
-SEGMENT_RE = re.compile(r"graft-lora-[0-9a-f]{32}")
+SEGMENT_RE = re.compile(r"graft-lora-(?P<pid>[0-9]+)-[0-9a-f]{16}")
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
@@ -85,22 +88,96 @@ def adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> bytes:
     return bytes(buffer)
 
 
-def shared_adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
-    """The same blob in a new shared-memory segment; the caller releases it after the load call."""
-    prefix, placed = _layout(tensors, config)
-    size = _size(prefix, placed)
-    name = f"graft-lora-{secrets.token_hex(16)}"
+def _segment_name() -> str:
+    return f"graft-lora-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+class SegmentPool:
+    """A trainer's shared-memory segments, reused across versions (module docstring).
+
+    `write(key, ...)` puts a blob in a free segment of its size (or a new one) and holds it for `key`
+    (a version) until `release(key)`: the engine maps the segment while that version is loaded and
+    rebuilds from it after an LRU eviction, so it is rewritten only once the version was unloaded.
+    `close()` unlinks every segment (an engine's maps keep their pages). Segments of creators that
+    died without closing (SIGKILL) are removed when the next pool starts.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[tuple[str, mmap.mmap]] = []
+        self._held: dict[int, tuple[str, mmap.mmap]] = {}
+        _remove_orphans()
+
+    def write(self, key: int, tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
+        prefix, placed = _layout(tensors, config)
+        size = _size(prefix, placed)
+        reusable = next((i for i, (_, buffer) in enumerate(self._free) if len(buffer) == size), None)
+        name, buffer = self._free.pop(reusable) if reusable is not None else _create_segment(size)
+        try:
+            _fill(buffer, prefix, placed)
+        except BaseException:
+            self._free.append((name, buffer))
+            raise
+        self._held[key] = (name, buffer)
+        return SharedBlob(name, size)
+
+    def release(self, key: int) -> None:
+        """`key`'s segment may be rewritten (its version is no longer loaded anywhere)."""
+        if (held := self._held.pop(key, None)) is not None:
+            self._free.append(held)
+
+    def close(self) -> None:
+        for name, buffer in [*self._free, *self._held.values()]:
+            buffer.close()
+            drop_segment(name)
+        self._free, self._held = [], {}
+
+
+def _create_segment(size: int) -> tuple[str, mmap.mmap]:
+    """A new segment of `size` bytes, mapped for writing."""
+    name = _segment_name()
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as buffer:
-            _fill(buffer, prefix, placed)
+        return name, mmap.mmap(fd, size)
     except BaseException:
         drop_segment(name)
         raise
     finally:
         os.close(fd)
-    return SharedBlob(name, size)
+
+
+def _remove_orphans() -> None:
+    """Unlink the segments of creators no longer alive."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if (match := SEGMENT_RE.fullmatch(name)) and not _alive(int(match["pid"])):
+            drop_segment(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def shared_adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
+    """The same blob in a new one-off shared-memory segment; the caller releases it after the load call."""
+    prefix, placed = _layout(tensors, config)
+    name, buffer = _create_segment(_size(prefix, placed))
+    with buffer:
+        try:
+            _fill(buffer, prefix, placed)
+        except BaseException:
+            drop_segment(name)
+            raise
+        return SharedBlob(name, len(buffer))
 
 
 def segment_path(name: str) -> str:
@@ -116,7 +193,7 @@ def segment_path(name: str) -> str:
 
 def new_segment(data: bytes) -> SharedBlob:
     """A new segment holding `data` (what a server does with a blob that came in a request body)."""
-    name = f"graft-lora-{secrets.token_hex(16)}"
+    name = _segment_name()
     fd = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as segment:
         segment.write(data)

@@ -59,7 +59,7 @@ from graft.sync.owner import LoraNameInUseError, PublishRootLease, live_owner
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
 from graft.sync.source import Policy, policy_source
-from graft.sync.transport import KIND, TRANSPORTS, Prepared, choose
+from graft.sync.transport import KIND, TRANSPORTS, DiskTransport, MemoryTransport, Prepared, choose
 
 
 def adapter_name(lora_name: str, version: int) -> str:
@@ -121,7 +121,13 @@ class AdapterSync:
         self._failures_reported = 0
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
-        self.transport = transport  # resolved at the first sync
+        self._requested_transport = transport
+        self._carrier: DiskTransport | MemoryTransport | None = None  # chosen at the first sync
+
+    @property
+    def transport(self) -> str:
+        """The transport's name: the one in use once the first sync chose it, else the one asked for."""
+        return self._carrier.name if self._carrier is not None else self._requested_transport
 
     def request_adapter(self, version: int) -> str:
         """The adapter name a rollout of `version` must request."""
@@ -160,10 +166,10 @@ class AdapterSync:
                 self._lease.claim()
                 await self._unload_stale()
                 self._stale_unloaded = True
-                self.transport = choose(self.transport, self._engine)
+                self._carrier = TRANSPORTS[choose(self._requested_transport, self._engine)](self.publisher)
             start = time.perf_counter()
             tensors, config = policy_source(policy).adapter()
-            prepared = await self._prepare(version, step, tensors, config)
+            prepared = await self._carrier.prepare(version, step, tensors, config, self._loaded)
             published_at = time.perf_counter()
 
             tried: set[int] = set()  # retired this sync: a failed unload is retried next sync, not twice now
@@ -174,11 +180,10 @@ class AdapterSync:
             try:
                 await prepared.load(self._engine, name)
             except EngineError as error:
+                self._carrier.unloaded(version)
                 if not _unsupported(error):
                     raise
                 refused = error
-            finally:
-                prepared.release()
             if refused is not None:
                 prepared = await self._fall_back_to_disk(refused, name, version, step, tensors, config)
                 await prepared.load(self._engine, name)
@@ -195,22 +200,20 @@ class AdapterSync:
                               publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
                               bytes=prepared.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
 
-    async def _prepare(self, version: int, step: int, tensors: dict, config: dict) -> Prepared:
-        return await TRANSPORTS[self.transport](self.publisher).prepare(version, step, tensors, config, self._loaded)
-
     async def _fall_back_to_disk(self, error: EngineError, name: str, version: int, step: int, tensors: dict,
                                  config: dict) -> Prepared:
         """After a memory load the engine(s) refused as unsupported: undo it where it went in (a
         pool's other members), and prepare `version` for disk, the transport from now on."""
         self._log.warning("sync.transport %s: %s; this run's adapters go by disk from now on", self.transport, error)
-        self.transport = "disk"
+        self._carrier.close()
+        self._carrier = DiskTransport(self.publisher)
         if isinstance(error, PoolBroadcastError) and error.succeeded:
             try:
                 await self._engine.unload_adapter(name)
             except EngineError as unload_error:
                 if not _already_gone(unload_error):
                     raise
-        return await self._prepare(version, step, tensors, config)
+        return await self._carrier.prepare(version, step, tensors, config, self._loaded)
 
     async def _unload_stale(self) -> None:
         """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
@@ -275,6 +278,8 @@ class AdapterSync:
                 await asyncio.gather(*pending)
             if failed := [v for v in self._loaded if v not in kept]:
                 self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
+            if self._carrier is not None:
+                self._carrier.close()
             self._lease.release()
 
     # -- retirement --------------------------------------------------------------------------------
@@ -321,6 +326,7 @@ class AdapterSync:
                 return
             self._log.warning("adapter %s was already gone from the engine: %s", name, error)
         self._loaded.remove(version)
+        self._carrier.unloaded(version)
 
 
 def _unsupported(error: EngineError) -> bool:

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 from graft.config import LOOPBACK_HOSTS
 from graft.lora.adapter_io import write_adapter_files
-from graft.rollout.adapter_blob import adapter_blob, shared_adapter_blob
+from graft.rollout.adapter_blob import SegmentPool, adapter_blob
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import EnginePool
 from graft.sync.publish import WeightPublisher, read_version, version_dir_name
@@ -41,12 +41,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prepared:
-    """A version ready to load: its size, the call that loads it into an engine under a name, and what
-    frees what it holds once loaded (a shared-memory segment)."""
+    """A version ready to load: its size, and the call that loads it into an engine under a name."""
 
     bytes: int
     load: Callable[[RolloutEngine, str], Awaitable[None]]
-    release: Callable[[], None] = lambda: None
 
 
 class DiskTransport:
@@ -54,6 +52,12 @@ class DiskTransport:
 
     def __init__(self, publisher: WeightPublisher) -> None:
         self.publisher = publisher
+
+    def unloaded(self, version: int) -> None:
+        """`version` is loaded nowhere any more (the publisher's garbage collection handles the files)."""
+
+    def close(self) -> None:
+        pass
 
     async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
         """Publish the PEFT files (in a worker thread: generation on the event loop goes on)."""
@@ -70,23 +74,34 @@ class DiskTransport:
 
 
 class MemoryTransport:
-    """`memory` (kind "http") or `shm` (kind "shm"): the engine's `load_adapter_blob`."""
+    """`memory` (kind "http": the blob in bytes) or `shm` (kind "shm": in a segment of this host, one of
+    the run's reused segments, held while its version is loaded): the engine's `load_adapter_blob`."""
 
     def __init__(self, publisher: WeightPublisher, kind: str) -> None:
         self.publisher = publisher
         self.kind = kind
         self.name = "memory" if kind == "http" else kind
+        self._segments = SegmentPool() if kind == "shm" else None
 
     async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
-        """The blob, in bytes or in a segment (each tensor copied once, in a worker thread)."""
-        if self.kind == "shm":
-            blob = await asyncio.to_thread(shared_adapter_blob, tensors, config)
-            size, release = blob.size, blob.release
+        """The blob (each tensor copied once, in a worker thread)."""
+        if self._segments is not None:
+            blob = await asyncio.to_thread(self._segments.write, version, tensors, config)
+            size = blob.size
         else:
             blob = await asyncio.to_thread(adapter_blob, tensors, config)
-            size, release = len(blob), Prepared.release
+            size = len(blob)
         label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
-        return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob), release)
+        return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob))
+
+    def unloaded(self, version: int) -> None:
+        """`version` is loaded nowhere any more (or never was): its segment may be rewritten."""
+        if self._segments is not None:
+            self._segments.release(version)
+
+    def close(self) -> None:
+        if self._segments is not None:
+            self._segments.close()
 
 
 TRANSPORTS: dict[str, Callable[[WeightPublisher], DiskTransport | MemoryTransport]] = {

@@ -6,6 +6,8 @@ and nothing left staged in the workers after an unload or a refused load."""
 import asyncio
 import os
 import stat
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ from graft.lora.adapter_io import save_adapter
 from graft.rollout.adapter_blob import (
     SHM_DIR,
     BlobError,
+    SegmentPool,
     SharedBlob,
     adapter_blob,
     blob_config,
@@ -83,8 +86,42 @@ def test_segments_are_private_and_only_graft_names_are_opened(tmp_path):
             map_segment(bad)
 
 
+def test_a_trainer_reuses_a_segment_only_once_its_version_is_released():
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    pool = SegmentPool()
+    try:
+        first, second = pool.write(1, tensors, {"v": 1}), pool.write(2, tensors, {"v": 2})
+        assert first.segment != second.segment
+        held = map_segment(second.segment)
+        pool.release(1)
+        third = pool.write(3, {"w": tensors["w"] + 10}, {"v": 3})  # same size: version 1's segment again
+        assert third.segment == first.segment
+        assert blob_config(held) == {"v": 2} and torch.equal(blob_tensors(held)["w"], tensors["w"])
+        assert torch.equal(blob_tensors(map_segment(third.segment))["w"], tensors["w"] + 10)
+    finally:
+        pool.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, first.segment))
+    assert not os.path.exists(os.path.join(SHM_DIR, second.segment))
+
+
+def test_segments_of_a_killed_trainer_are_removed_by_the_next_one():
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = os.path.join(SHM_DIR, f"graft-lora-{child.stdout.strip()}-{'0' * 16}")
+    alive = os.path.join(SHM_DIR, f"graft-lora-{os.getpid()}-{'1' * 16}")
+    for path in (dead, alive):
+        with open(path, "wb") as segment:
+            segment.write(b"x")
+    try:
+        SegmentPool().close()
+        assert not os.path.exists(dead) and os.path.exists(alive)
+    finally:
+        for path in (dead, alive):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_memory_paths_name_their_segment_and_no_directory_is_mistaken_for_one():
-    segment = "graft-lora-" + "ab" * 16
+    segment = "graft-lora-123-" + "ab" * 8
     assert memory_segment(memory_path("/runs/a/weights/adapter-v000007.memory", segment)) == segment
     assert memory_segment("/runs/a/weights/adapter-v000007") is None
     assert memory_segment(f"/odd#dir/{segment}") is None and memory_segment(f"/x#{segment}/more") is None
@@ -192,7 +229,7 @@ def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_se
 def test_the_shm_transport_to_a_segment_the_server_cannot_see_is_unsupported(vllm_server):
     async def run():
         async with VllmClient(vllm_server.url) as client:
-            await client.load_adapter_blob("far", "/nowhere/far", SharedBlob("graft-lora-" + "0" * 32, 8))
+            await client.load_adapter_blob("far", "/nowhere/far", SharedBlob("graft-lora-1-" + "0" * 16, 8))
 
     with pytest.raises(TransportUnsupportedError, match="one host"):
         asyncio.run(run())
