@@ -134,12 +134,13 @@ def bench_syncs(engine: RolloutEngine, work: Path) -> tuple[AdapterSync, MergedS
     return adapter_bench_sync(engine, work, "disk"), merged
 
 
-def adapter_bench_sync(engine: RolloutEngine, work: Path, transport: str) -> AdapterSync:
+def adapter_bench_sync(engine: RolloutEngine, work: Path, transport: str,
+                       inflight: InFlightVersions | None = None) -> AdapterSync:
     """An adapter sync by `transport` keeping 3 versions, with its own publish root and lora.name (one
     run per root and name): WORK/weights for disk, WORK/weights-<transport> otherwise."""
     root = work / ("weights" if transport == "disk" else f"weights-{transport}")
     return AdapterSync(engine, WeightPublisher(root, keep_versions=3), lora_name=f"bench-{transport}", keep_versions=3,
-                       max_loras=4, inflight=InFlightVersions(), transport=transport)
+                       max_loras=4, inflight=inflight or InFlightVersions(), transport=transport)
 
 
 def medians(samples: dict[str, list[tuple[float, int]]]) -> dict[str, tuple[float, int]]:
@@ -172,49 +173,55 @@ class FullSync:
                           publish_seconds=published_at - start, apply_seconds=done - published_at,
                           bytes=published.bytes, engine_adapters_loaded=0, unload_failures=0)
 
+STALL_MODEL = "qwen2.5-0.5b-shape"
 # Adapter transports: rounds at least, medians over them (a round of the three costs ~0.3 s at 0.5B).
 ADAPTER_ROUNDS = 20
 ADAPTER_MODES = {"adapter": "disk", "adapter-memory": "memory", "adapter-memory-shm": "shm"}
 
 
-def _new_policy_weights(policy: nn.Module) -> None:
+def new_policy_weights(policy: nn.Module) -> None:
     with torch.no_grad():  # a new policy each round, as after an optimizer step
         for param in lora_parameters(policy).values():
             param.normal_(std=0.01)
 
 
 async def _adapter_rounds(client: VllmClient, policy: nn.Module, work: Path, rounds: int, progress, task
-                          ) -> dict[str, list[tuple[float, int]]]:
+                          ) -> tuple[dict[str, list[tuple[float, int]]], dict[str, float]]:
     """The adapter transports interleaved, `rounds` counted after one warm-up; also the disk sync's
-    publishing part alone (adapter_publish)."""
+    publishing part alone (adapter_publish). (samples by mode, median publish-to-servable seconds by mode)."""
     samples: dict[str, list[tuple[float, int]]] = {m: [] for m in (*ADAPTER_MODES, "adapter_publish")}
+    servable: dict[str, list[float]] = {m: [] for m in ADAPTER_MODES}
     syncs = {mode: adapter_bench_sync(client, work, transport) for mode, transport in ADAPTER_MODES.items()}
     try:
         for version in range(1, rounds + 2):  # version 1 warms up, not counted
-            _new_policy_weights(policy)
+            new_policy_weights(policy)
             results = {mode: await sync.sync(policy, version, version) for mode, sync in syncs.items()}
             if version > 1:
                 for mode, result in results.items():
                     samples[mode].append((result.seconds, result.bytes))
+                    servable[mode].append(result.servable_seconds)
                 samples["adapter_publish"].append((results["adapter"].publish_seconds, results["adapter"].bytes))
             progress.advance(task)
     finally:
         for sync in syncs.values():
             await sync.close()
-    return samples
+    return samples, {mode: statistics.median(seconds) for mode, seconds in servable.items()}
 
 
-async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task) -> dict:
+async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: int, progress, task
+                  ) -> tuple[dict, dict[str, float]]:
     policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
     full_model = load_model(base, dtype="bfloat16")
     samples: dict[str, list[tuple[float, int]]] = {m: [] for m in ("merged", "full", "raw_write")}
     async with VllmClient(url) as client:
-        samples |= await _adapter_rounds(client, policy, work, max(repeats, ADAPTER_ROUNDS), progress, task)
+        adapter_samples, servable = await _adapter_rounds(client, policy, work, max(repeats, ADAPTER_ROUNDS),
+                                                          progress, task)
+        samples |= adapter_samples
         merged_sync = MergedSync(client, WeightPublisher(work / "weights-merged", keep_versions=1),
                                  dtype=torch.bfloat16)
         full_sync = FullSync(client, WeightPublisher(work / "weights-merged", keep_versions=1), dtype=torch.bfloat16)
         for version in range(1, repeats + 2):  # version 1 warms up, not counted
-            _new_policy_weights(policy)
+            new_policy_weights(policy)
             results = {"merged": await merged_sync.sync(policy, version, version),
                        "full": await full_sync.sync(full_model, version, version)}
             raw = raw_write_seconds(policy, work / f"raw-{version}.safetensors")
@@ -223,7 +230,7 @@ async def _rounds(url: str, base: Path, work: Path, shape: ModelShape, repeats: 
                     samples[mode].append((result.seconds, result.bytes))
                 samples["raw_write"].append(raw)
             progress.advance(task)
-    return medians(samples)
+    return medians(samples), servable
 
 
 def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), repeats: int = 3) -> dict:
@@ -237,35 +244,39 @@ def run_sync_bench(shapes: tuple[str, ...] = ("tiny", "qwen2.5-0.5b-shape"), rep
               Progress(transient=True, console=console) as progress):
             task = progress.add_task(f"{name}: sync rounds (adapter by 3 transports, then merged, full, raw write)",
                                      total=max(repeats, ADAPTER_ROUNDS) + repeats + 2)
-            by_mode = asyncio.run(_rounds(server.url, base, Path(tmp), shape, repeats, progress, task))
-        rows += [{"model": name, "mode": mode, "seconds": seconds, "bytes": size}
+            by_mode, servable = asyncio.run(_rounds(server.url, base, Path(tmp), shape, repeats, progress, task))
+        rows += [{"model": name, "mode": mode, "seconds": seconds, "bytes": size,
+                  **({"servable_seconds": servable[mode]} if mode in servable else {})}
                  for mode, (seconds, size) in by_mode.items()]
-    return {"repeats": repeats, "rows": rows}
+    return {"repeats": repeats, "adapter_rounds": max(repeats, ADAPTER_ROUNDS), "rows": rows}
 
 
 def print_sync_report(result: dict) -> None:
     table = Table(title=f"sync: publish + engine apply (vLLM-CPU, bf16), medians of {result['repeats']} rounds")
-    for column in ("model", "mode", "seconds", "MiB", "x adapter time"):
+    for column in ("model", "mode", "seconds", "servable after s", "MiB", "x adapter time"):
         table.add_column(column)
     by_model: dict[str, dict[str, dict]] = {}
     for row in result["rows"]:
         by_model.setdefault(row["model"], {})[row["mode"]] = row
     for model, modes in by_model.items():
         for mode, row in modes.items():
-            table.add_row(model, mode, f"{row['seconds']:.3f}", f"{row['bytes'] / 2**20:.1f}",
+            servable = f"{row['servable_seconds']:.3f}" if "servable_seconds" in row else "-"
+            table.add_row(model, mode, f"{row['seconds']:.3f}", servable, f"{row['bytes'] / 2**20:.1f}",
                           f"{row['seconds'] / modes['adapter']['seconds']:.2f}")
     Console().print(table)
     for model, modes in by_model.items():
-        fastest = min(("adapter-memory", "adapter-memory-shm"), key=lambda m: modes[m]["seconds"])
-        print(f"{model}: {fastest} takes {modes[fastest]['seconds'] / modes['adapter']['seconds']:.2f}x the disk "
-              f"adapter sync's time; full takes {modes['full']['seconds'] / modes[fastest]['seconds']:.1f}x "
-              f"{fastest}'s")
+        fastest = min(("adapter-memory", "adapter-memory-shm"), key=lambda m: modes[m]["servable_seconds"])
+        servable = modes[fastest]["servable_seconds"] / modes["adapter"]["servable_seconds"]
+        print(f"{model}: {fastest} makes a version servable in {servable:.2f}x the disk adapter sync's time (medians "
+              f"of {result['adapter_rounds']} syncs); its whole sync is {modes[fastest]['seconds']:.3f} s, full's "
+              f"{modes['full']['seconds'] / modes[fastest]['seconds']:.1f}x that")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench sync`'s flags: which model shapes, or a sweep of cost growth instead."""
-    parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="model shapes (default: %(default)s)")
+    parser.add_argument("--models", nargs="+", choices=list(SHAPES),
+                        help=f"model shapes (default: {' '.join(SHAPES)}; with --stall {STALL_MODEL}, whose "
+                             "decode is slow enough to see a sync in)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="rounds per mode, median reported (default %(default)s; at most 5, with --sweep at "
                              "most 3)")
@@ -274,10 +285,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sizes up to the Qwen2.5-0.5B shape (size) or LoRA ranks 8..128 at that shape (rank); "
                              "writes PLOT_DIR/sync-SWEEP.png")
     parser.add_argument("--plot-dir", default="runs/bench", help="where the sweep's plot goes (default %(default)s)")
+    parser.add_argument("--stall", action="store_true",
+                        help="instead, the inter-token gaps of requests decoding on the previous version across "
+                             "syncs, per transport (graft.bench.sync_stall)")
 
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench sync`: measure, print the table, return what --json writes."""
+    if args.stall:
+        from graft.bench.sync_stall import print_stall_report, run_stall_probe
+
+        result = run_stall_probe(tuple(args.models or [STALL_MODEL]))
+        print_stall_report(result)
+        return result
     if args.sweep:
         from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
 
@@ -286,6 +306,6 @@ def run(args: argparse.Namespace) -> dict:
         result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))
         print(f"plot: {result['plot']}")
         return result
-    result = run_sync_bench(tuple(args.models), repeats=min(args.repeats, 5))
+    result = run_sync_bench(tuple(args.models or SHAPES), repeats=min(args.repeats, 5))
     print_sync_report(result)
     return result

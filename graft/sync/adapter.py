@@ -176,17 +176,8 @@ class AdapterSync:
             if self._keep:
                 await self._make_room(tried)
             name = adapter_name(self._lora_name, version)
-            refused = None
-            try:
-                await prepared.load(self._engine, name)
-            except EngineError as error:
-                self._carrier.unloaded(version)
-                if not _unsupported(error):
-                    raise
-                refused = error
-            if refused is not None:
-                prepared = await self._fall_back_to_disk(refused, name, version, step, tensors, config)
-                await prepared.load(self._engine, name)
+            prepared = await self._load(prepared, name, version, step, tensors, config)
+            servable_at = time.perf_counter()
             self._loaded.append(version)
             self._current = version
             if self._keep:
@@ -198,7 +189,22 @@ class AdapterSync:
             failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
                               publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
+                              servable_seconds=servable_at - start,
                               bytes=prepared.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
+
+    async def _load(self, prepared: Prepared, name: str, version: int, step: int, tensors: dict, config: dict
+                    ) -> Prepared:
+        """Load `prepared` as `name`; by disk instead if the engine refuses the memory transport. What was loaded."""
+        try:
+            await prepared.load(self._engine, name)
+            return prepared
+        except EngineError as error:
+            self._carrier.unloaded(version)
+            if not _unsupported(error):
+                raise
+            prepared = await self._fall_back_to_disk(error, name, version, step, tensors, config)
+        await prepared.load(self._engine, name)
+        return prepared
 
     async def _fall_back_to_disk(self, error: EngineError, name: str, version: int, step: int, tensors: dict,
                                  config: dict) -> Prepared:

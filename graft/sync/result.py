@@ -15,6 +15,8 @@ class SyncResult:
         adapter: the engine adapter name requests must use, or None (merged/full: the base name).
         seconds: publish + engine apply (+ verify, when the caller adds it) (`sync_seconds`).
         publish_seconds, apply_seconds: the two parts.
+        servable_seconds: from the start until requests could name the new version (adapter mode:
+            publish + load, before retiring old versions); None where the mode does not say.
         bytes: bytes published (`sync_bytes`).
         engine_adapters_loaded: graft adapters the engine lists after the sync.
         unload_failures: best-effort unloads that failed in this sync.
@@ -29,3 +31,4 @@ class SyncResult:
     bytes: int
     engine_adapters_loaded: int
     unload_failures: int
+    servable_seconds: float | None = None

@@ -1,6 +1,7 @@
 import pytest
 
 from graft.bench.sync import run_sync_bench
+from graft.bench.sync_stall import run_stall_probe, stall_of
 
 
 @pytest.mark.vllm
@@ -16,3 +17,28 @@ def test_sync_bench_measures_every_mode_against_a_real_server():
     # The memory transports send the same tensors as one blob (the config in its header, not a file).
     for mode in ("adapter-memory", "adapter-memory-shm"):
         assert abs(rows[mode]["bytes"] - rows["adapter"]["bytes"]) < 0.05 * rows["adapter"]["bytes"]
+    for mode in ("adapter", "adapter-memory", "adapter-memory-shm"):  # servable before the old ones are retired
+        assert 0 < rows[mode]["servable_seconds"] <= rows[mode]["seconds"]
+    assert "servable_seconds" not in rows["merged"]
+
+
+@pytest.mark.vllm
+def test_the_stall_probe_times_tokens_of_requests_decoding_across_a_sync_by_each_transport():
+    result = run_stall_probe(("tiny",), syncs=1)
+    assert [row["transport"] for row in result["rows"]] == ["disk", "memory", "shm"]
+    for row in result["rows"]:
+        assert row["gaps_during_sync"] >= 1 and row["gaps"] > row["gaps_during_sync"]
+        assert 0 < row["median_gap_s"] <= row["max_gap_during_sync_s"] * row["gaps"]
+        assert row["ratio"] == pytest.approx(row["max_gap_during_sync_s"] / row["median_gap_s"])
+
+
+def test_a_stall_is_the_largest_gap_overlapping_a_sync_against_the_per_token_pace():
+    # Request 0: a token every 10 ms, then one that waited 50 ms across the sync at 0.032-0.036 s.
+    # Request 1: chunks of 2 tokens every 20 ms (10 ms a token), one of them overlapping the sync.
+    chunks = [[(0.0, 1), (0.01, 1), (0.02, 1), (0.07, 1), (0.08, 1)], [(0.0, 2), (0.02, 2), (0.04, 2)]]
+    stall = stall_of(chunks, [(0.032, 0.036)])
+    assert stall["median_gap_s"] == pytest.approx(0.01)
+    assert stall["max_gap_during_sync_s"] == pytest.approx(0.05) and stall["ratio"] == pytest.approx(5)
+    assert stall["gaps_during_sync"] == 2 and stall["gaps"] == 4 + 4
+    with pytest.raises(ValueError, match="too short"):
+        stall_of(chunks, [(1.0, 2.0)])

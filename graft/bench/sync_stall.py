@@ -1,0 +1,179 @@
+"""`graft bench sync --stall`: what a sync does to requests already decoding on the previous version.
+
+Per transport (disk, memory, shm; graft.sync.transport), on one vLLM server: version 1 is synced and
+`STREAMS` greedy requests start streaming from it (`/v1/completions`, stream=True, `logprobs` on so
+each chunk says how many tokens it carries). Once each has sent a few tokens, `SYNCS` new versions
+are synced while they decode, `SYNC_EVERY_S` apart. The streams are read by a separate process (`python -m
+graft.bench.sync_stall URL MODEL N MAX_TOKENS`), so the sync's own Python work in this process never
+delays a reading; both processes stamp with the system-wide monotonic clock.
+
+A chunk of k tokens that came dt after the request's previous chunk counts k gaps of dt/k for the
+median (the decode pace), and a gap of dt if it overlaps a sync (a token waited that long at most).
+Reported per transport: the median gap, the largest gap overlapping a sync, and their ratio (the
+target: <= 2). The requests hold version 1 in use, so no sync unloads it under them
+(graft.sync.inflight). The readings end a few tokens after the last sync: the reader is stopped,
+which closes the streams and so aborts the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+STREAMS = 4
+SYNCS = 5
+SYNC_EVERY_S = 0.02
+SETTLE_TOKENS = 3  # tokens each stream sends before the first sync and after the last
+
+
+# -- the reader process ---------------------------------------------------------------------------
+
+async def _stream(http: httpx.AsyncClient, url: str, model: str, index: int, max_tokens: int) -> None:
+    """Stream one greedy completion; print `index monotonic-time tokens` for every chunk with tokens."""
+    body = {"model": model, "prompt": [11 + index, 12, 13, 14], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 1}
+    async with http.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                tokens = len((json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("tokens") or ())
+                if tokens:
+                    print(index, time.monotonic(), tokens, flush=True)
+
+
+async def _read_streams(url: str, model: str, streams: int, max_tokens: int) -> None:
+    async with httpx.AsyncClient() as http:
+        await asyncio.gather(*(_stream(http, url, model, i, max_tokens) for i in range(streams)))
+
+
+# -- the measurement ------------------------------------------------------------------------------
+
+def stall_of(chunks: list[list[tuple[float, int]]], windows: list[tuple[float, float]]) -> dict:
+    """Per-token median gap, the largest chunk gap overlapping a sync window, their ratio (module docstring).
+    `chunks[i]`: request i's (arrival time, tokens) in order; its first chunk waited for the prefill."""
+    paced, during = [], []
+    for stream in chunks:
+        for (before, _), (at, tokens) in zip(stream, stream[1:]):
+            paced += [(at - before) / tokens] * tokens
+            if any(before < end and at > start for start, end in windows):
+                during.append(at - before)
+    if not paced or not during:
+        raise ValueError("no token gaps overlap a sync: the streams were too short for the syncs")
+    median = statistics.median(paced)
+    return {"median_gap_s": median, "max_gap_during_sync_s": max(during), "ratio": max(during) / median,
+            "gaps": len(paced), "gaps_during_sync": len(during)}
+
+
+class _Reader:
+    """The reader process and the chunks it reported so far."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.chunks: list[list[tuple[float, int]]] = [[] for _ in range(STREAMS)]
+        self._pump = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for line in self.process.stdout:
+            index, at, tokens = line.split()
+            self.chunks[int(index)].append((float(at), int(tokens)))
+
+    async def wait_for(self, counts: list[int]) -> None:
+        """Until request i has sent `counts[i]` tokens."""
+        while any(sum(t for _, t in c) < n for c, n in zip(self.chunks, counts)):
+            if self._pump.done():
+                await self.process.wait()
+                raise RuntimeError(f"the stream reader stopped early (exit {self.process.returncode}): "
+                                   "its streams ended before the syncs did, or failed")
+            await asyncio.sleep(0.005)
+
+    def tokens(self) -> list[int]:
+        return [sum(t for _, t in c) for c in self.chunks]
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+        await self._pump
+
+
+async def _probe(url: str, policy, work: Path, transport: str, max_tokens: int, syncs: int) -> dict:
+    from graft.bench.sync import adapter_bench_sync
+    from graft.rollout.vllm.client import VllmClient
+    from graft.sync.inflight import InFlightVersions
+
+    inflight = InFlightVersions()
+    windows: list[tuple[float, float]] = []
+    async with VllmClient(url) as client:
+        sync = adapter_bench_sync(client, work, transport, inflight)
+        try:
+            await sync.sync(policy, 1, 1)
+            async with inflight.use(1):
+                reader = _Reader(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", __name__, url, sync.request_adapter(1), str(STREAMS), str(max_tokens),
+                    stdout=asyncio.subprocess.PIPE))
+                try:
+                    await _syncs_while_decoding(sync, policy, reader, windows, syncs)
+                finally:
+                    await reader.stop()
+        finally:
+            await sync.close()
+    return stall_of(reader.chunks, windows)
+
+
+async def _syncs_while_decoding(sync, policy, reader: _Reader, windows: list[tuple[float, float]],
+                                syncs: int) -> None:
+    from graft.bench.sync import new_policy_weights
+
+    await reader.wait_for([SETTLE_TOKENS] * STREAMS)
+    for version in range(2, syncs + 2):
+        await asyncio.sleep(SYNC_EVERY_S)
+        new_policy_weights(policy)
+        start = time.monotonic()
+        await sync.sync(policy, version, version)
+        windows.append((start, time.monotonic()))
+    await reader.wait_for([n + SETTLE_TOKENS for n in reader.tokens()])
+
+
+def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_tokens: int = 500,
+                    syncs: int = SYNCS) -> dict:
+    """Rows `{"model", "transport", "median_gap_s", "max_gap_during_sync_s", "ratio", ...}`, `syncs` per
+    transport (the tiny model decodes 500 tokens in ~1.5 s: a test asks for one)."""
+    from graft.bench.sync import ADAPTER_MODES, SHAPES, bench_server
+    from graft.lora.attach import attach_lora
+    from graft.models.loading import load_model
+
+    rows, console = [], Console(stderr=True)
+    for name in models:
+        shape = SHAPES[name]
+        with (tempfile.TemporaryDirectory(prefix=f"graft-bench-stall-{name}-") as tmp,
+              bench_server(shape, Path(tmp), shape.rank, console) as (base, server)):
+            policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
+            for transport in ADAPTER_MODES.values():
+                with console.status(f"{name}: {STREAMS} streams decoding across {syncs} syncs by {transport}"):
+                    row = asyncio.run(_probe(server.url, policy, Path(tmp), transport, max_tokens, syncs))
+                rows.append({"model": name, "transport": transport, **row})
+    return {"streams": STREAMS, "syncs": syncs, "rows": rows}
+
+
+def print_stall_report(result: dict) -> None:
+    table = Table(title=f"sync stall: {result['streams']} requests decoding on the previous version across "
+                        f"{result['syncs']} syncs (vLLM-CPU, bf16)")
+    for column in ("model", "transport", "median gap ms", "max gap in a sync ms", "ratio (target <= 2)"):
+        table.add_column(column)
+    for row in result["rows"]:
+        table.add_row(row["model"], row["transport"], f"{row['median_gap_s'] * 1000:.1f}",
+                      f"{row['max_gap_during_sync_s'] * 1000:.1f}", f"{row['ratio']:.2f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":  # the reader process
+    asyncio.run(_read_streams(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
