@@ -200,20 +200,30 @@ def new_segment(data: bytes) -> SharedBlob:
     return SharedBlob(name, len(data))
 
 
-def map_segment(name: str) -> mmap.mmap:
-    """Segment `name` mapped copy-on-write: no byte is copied, the pages stay after the creator unlinks
-    the name, and nothing written through the map reaches the segment.
+def open_segment(name: str) -> int:
+    """A read-only descriptor of segment `name`: its pages stay reachable after the creator unlinks the name.
 
     Raises:
         BlobError: a bad name, or no such segment on this host.
     """
     try:
-        fd = os.open(segment_path(name), os.O_RDONLY)
+        return os.open(segment_path(name), os.O_RDONLY)
     except FileNotFoundError:
         raise BlobError(f"no shared-memory segment {name!r} on the server's host (the shm transport needs "
                         "trainer and server on one host)") from None
+
+
+def map_copy_on_write(fd: int) -> mmap.mmap:
+    """The segment behind `fd` mapped copy-on-write: no byte is copied, and what is written through the
+    map (vLLM scales `lora_b` in place) stays in this map's own pages, never reaching the segment."""
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+
+
+def map_segment(name: str) -> mmap.mmap:
+    """Segment `name` mapped copy-on-write (`map_copy_on_write`)."""
+    fd = open_segment(name)
     try:
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        return map_copy_on_write(fd)
     finally:
         os.close(fd)
 
@@ -253,15 +263,16 @@ def blob_config(blob) -> dict:
     return config
 
 
-def blob_tensors(blob) -> dict[str, torch.Tensor]:
-    """Fresh tensors decoded from `blob` (bytes or a map): each copied once, never sharing the blob's memory.
+def blob_tensors(blob, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of `blob` (bytes or a map): each copied once into fresh memory, or with `copy=False`
+    views of the blob itself (for a copy-on-write map that nothing else reads).
 
     Raises:
         BlobError: a malformed header, an unknown dtype, or data outside the blob.
     """
     header, start = _header(blob)
     tensors = {}
-    with warnings.catch_warnings():  # a read-only buffer: every view is cloned before anyone writes
+    with warnings.catch_warnings():  # a read-only buffer is only ever cloned
         warnings.simplefilter("ignore", UserWarning)
         for key, entry in header.items():
             if key == "__metadata__":
@@ -271,7 +282,7 @@ def blob_tensors(blob) -> dict[str, torch.Tensor]:
                 count = (end - begin) // torch.empty((), dtype=dtype).element_size()
                 view = torch.frombuffer(blob, dtype=dtype, count=count, offset=start + begin) if count else \
                     torch.empty(0, dtype=dtype)
-                tensors[key] = view.reshape(shape).clone()
+                tensors[key] = view.reshape(shape).clone() if copy else view.reshape(shape)
             except (KeyError, TypeError, ValueError, RuntimeError) as error:
                 raise BlobError(f"tensor {key!r}: {error}") from None
     return tensors

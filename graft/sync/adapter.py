@@ -199,9 +199,11 @@ class AdapterSync:
             await prepared.load(self._engine, name)
             return prepared
         except EngineError as error:
-            self._carrier.unloaded(version)
+            # Anything else may have loaded it after all (an answer lost to a timeout): the version's
+            # blob stays held (a segment) until close, never rewritten under a registered adapter.
             if not _unsupported(error):
                 raise
+            self._carrier.unloaded(version)
             prepared = await self._fall_back_to_disk(error, name, version, step, tensors, config)
         await prepared.load(self._engine, name)
         return prepared

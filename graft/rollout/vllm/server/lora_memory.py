@@ -30,7 +30,15 @@ import asyncio
 import os
 import re
 
-from graft.rollout.adapter_blob import SEGMENT_RE, BlobError, blob_tensors, map_segment, new_segment, segment_path
+from graft.rollout.adapter_blob import (
+    SEGMENT_RE,
+    BlobError,
+    blob_tensors,
+    map_copy_on_write,
+    new_segment,
+    open_segment,
+    segment_path,
+)
 
 ROUTE = "/v1/graft/load_lora_adapter"
 WORKER_EXTENSION = "graft.rollout.vllm.server.lora_memory.MemoryAdapterWorker"
@@ -63,10 +71,10 @@ class StagedAdapters:
             segment = memory_segment(request.lora_path)
             if segment is None:
                 return load_from_disk(request)
-            blob = self.blobs.get(request.lora_path)
-            if blob is None:
-                blob = self.blobs[request.lora_path] = map_segment(segment)
-            return build_lora(manager, request, blob)
+            fd = self.blobs.get(request.lora_path)
+            if fd is None:
+                fd = self.blobs[request.lora_path] = open_segment(segment)
+            return build_lora(manager, request, map_copy_on_write(fd))
 
         manager._load_adapter = load_adapter
 
@@ -78,10 +86,10 @@ class StagedAdapters:
         return staged
 
     def drop(self, path: str) -> bool:
-        blob = self.blobs.pop(path, None)
-        if blob is not None:
-            blob.close()
-        return blob is not None
+        fd = self.blobs.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+        return fd is not None
 
 
 def expected_modules(adapters) -> set[str]:
@@ -131,7 +139,7 @@ def build_lora(manager, request, blob):
     mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
     skip_prefixes = getattr(adapters.model, "lora_skip_prefixes", None)
-    tensors = blob_tensors(blob)
+    tensors = blob_tensors(blob, copy=False)  # `blob` is this build's own copy-on-write map
     check_modules(tensors, expected_modules(adapters), peft_helper.modules_to_save, mapper, skip_prefixes,
                   request.lora_path)
     lora = manager._lora_model_cls.from_lora_tensors(
