@@ -189,7 +189,7 @@ class AdapterSync:
             failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
                               publish_seconds=published_at - start, apply_seconds=applied_at - published_at,
-                              servable_seconds=servable_at - start,
+                              servable_seconds=servable_at - start, transport=self.transport,
                               bytes=prepared.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
 
     async def _load(self, prepared: Prepared, name: str, version: int, step: int, tensors: dict, config: dict

@@ -91,7 +91,8 @@ class PolicySync:
             gap = await verify_delivery(self.engine, applied.source, adapter=result.adapter,
                                         tolerance=self.tolerance, warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
-        return {"sync_mode": result.mode, "sync_seconds": result.seconds + verify_seconds,
+        return {"sync_mode": result.mode, "sync_transport": result.transport or "disk",
+                "sync_seconds": result.seconds + verify_seconds,
                 "sync_publish_seconds": result.publish_seconds, "sync_apply_seconds": result.apply_seconds,
                 "sync_verify_seconds": verify_seconds,
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,

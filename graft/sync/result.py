@@ -17,6 +17,8 @@ class SyncResult:
         publish_seconds, apply_seconds: the two parts.
         servable_seconds: from the start until requests could name the new version (adapter mode:
             publish + load, before retiring old versions); None where the mode does not say.
+        transport: how the version reached the engines (adapter mode: `sync.transport` as chosen,
+            metrics key `sync_transport`); None for the modes that reload weights from disk.
         bytes: bytes published (`sync_bytes`).
         engine_adapters_loaded: graft adapters the engine lists after the sync.
         unload_failures: best-effort unloads that failed in this sync.
@@ -32,3 +34,4 @@ class SyncResult:
     engine_adapters_loaded: int
     unload_failures: int
     servable_seconds: float | None = None
+    transport: str | None = None

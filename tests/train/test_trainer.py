@@ -19,7 +19,7 @@ def test_grpo_run_on_the_reference_engine_writes_every_metric(base_dir, tmp_path
     assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
     for row in rows:
         assert set(REQUIRED_KEYS) <= row.keys()
-        assert row["sync_mode"] == mode and row["staleness_max"] == 0
+        assert row["sync_mode"] == mode and row["staleness_max"] == 0 and row["sync_transport"] == "disk"
         assert 0 < row["rollout_tokens"] <= 2 * 3 * 4  # max_new_tokens caps each sample; eos may stop one early
         assert row["logprob_abs_diff_max"] < 1e-3  # the reference engine computes what the trainer computes
         assert row["grad_norm"] >= 0 and row["kl"] >= 0
@@ -50,6 +50,10 @@ def test_grpo_run_against_the_real_vllm_server(vllm_server, base_dir, tmp_path, 
     for row in rows:
         assert set(REQUIRED_KEYS) <= row.keys() and row["sync_mode"] == mode
         assert row["logprob_abs_diff_max"] < 1e-3  # fp32 vLLM vs the fp32 trainer on the sampled tokens
+        # sync.transport auto: adapters reach a local graft-started vLLM through shared memory, no file
+        assert row["sync_transport"] == ("shm" if mode == "adapter" else "disk")
+    if mode == "adapter":
+        assert not [p for p in (tmp_path / "weights").iterdir() if p.name.startswith("adapter-v")]
 
 
 def _rows(run_dir):
