@@ -11,7 +11,8 @@ from graft.sync.verify import DeliveryError
 from tests.helpers import trained_like_peft_model
 
 METRIC_KEYS = {"sync_mode", "sync_seconds", "sync_bytes", "engine_adapters_loaded", "sync_logprob_abs_diff_max",
-               "policy_version", "engines_live", "sync_publish_seconds", "sync_apply_seconds", "sync_verify_seconds"}
+               "policy_version", "engines_live", "sync_publish_seconds", "sync_apply_seconds", "sync_verify_seconds",
+               "sync_transport"}
 
 
 def _config(base_dir, *overrides):
