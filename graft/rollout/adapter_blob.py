@@ -5,8 +5,8 @@ The wire format of adapters that reach an engine from memory (`RolloutEngine.loa
 vLLM's side: graft.rollout.vllm.server.lora_memory). Made once per version and sent as it is to every
 engine of a pool. Written here rather than by `safetensors.torch.save` so that each tensor is copied
 once, straight into its place (measured at the Qwen2.5-0.5B shape, r16, 16.8 MiB: safetensors' save
-17 ms, then 5 ms more to put its bytes in a segment); read here so that each tensor is copied once
-out of a mapped segment, into fresh memory the engine may scale in place.
+17 ms, then 5 ms more to put its bytes in a segment); read here as views of a copy-on-write map
+(no copy; what the engine scales in place stays in that map) or as fresh copies of bytes.
 
 Segments live in /dev/shm, readable by this user only, named `graft-lora-<creator pid>-<16 hex>`. A
 one-off segment is unlinked by its creator once the load call returned (a reader that mapped it

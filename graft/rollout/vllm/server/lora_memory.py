@@ -9,14 +9,14 @@ segment of the same host (`?shm=<segment>`), or in the request body (put into a 
 asks vLLM's own `load_lora_adapter` to load it from `memory_path(label, segment)`. That path names
 no file: the label is unique per version (vLLM's prefix-cache key is (name, path)) and the segment
 says where the bytes are. In each worker the hooked `_load_adapter` (installed once per server by
-`MemoryAdapterWorker.graft_load_from_memory`) maps such a segment at the first load, keeps the map
-while the adapter is registered, and builds the LoRA from fresh tensors decoded from it, through
+`MemoryAdapterWorker.graft_load_from_memory`) opens such a segment at the first load, keeps it open
+while the adapter is registered, and builds the LoRA from a fresh copy-on-write map of it, through
 vLLM's own config validation, name mapping and module checks; any other path loads from disk as
 before. No extra call reaches the engine: the blob travels inside vLLM's own `add_lora`.
 
 So every later step is vLLM's own: the name registry, the API key (the route is under /v1), the
-unload route (patched to drop the mapped blobs too), `/v1/models` (whose `root` shows the path). A
-reload after an LRU eviction decodes the blob again: the tensors are never the ones an earlier load
+unload route (patched to close the segment too), `/v1/models` (whose `root` shows the path). A
+reload after an LRU eviction maps the segment again: the tensors are never the ones an earlier load
 scaled in place (`LoRALayerWeights.optimize`), so any number of evictions serves the same weights.
 
 The workers get the methods through vLLM's `--worker-extension-cls` (the launcher passes
@@ -33,6 +33,7 @@ import re
 from graft.rollout.adapter_blob import (
     SEGMENT_RE,
     BlobError,
+    blob_config,
     blob_tensors,
     map_copy_on_write,
     new_segment,
@@ -59,21 +60,22 @@ def memory_segment(path: str) -> str | None:
 # -- worker side ----------------------------------------------------------------------------------
 
 class StagedAdapters:
-    """One worker's mapped blobs (memory path -> map), and the hook that loads from them, installed on its
-    LoRA manager instance once: `_load_adapter` builds a memory path's LoRA from its blob (mapping the
-    segment at the first load), and loads any other path from disk as vLLM does."""
+    """One worker's open segments (memory path -> descriptor), and the hook that loads from them,
+    installed on its LoRA manager instance once: `_load_adapter` builds a memory path's LoRA from its
+    segment (opened at the first load, kept open while the adapter is registered: a one-off segment's
+    name is gone by then), and loads any other path from disk as vLLM does."""
 
     def __init__(self, manager) -> None:
-        self.blobs: dict = {}
+        self.segments: dict[str, int] = {}
         load_from_disk = manager._load_adapter
 
         def load_adapter(request):
             segment = memory_segment(request.lora_path)
             if segment is None:
                 return load_from_disk(request)
-            fd = self.blobs.get(request.lora_path)
+            fd = self.segments.get(request.lora_path)
             if fd is None:
-                fd = self.blobs[request.lora_path] = open_segment(segment)
+                fd = self.segments[request.lora_path] = open_segment(segment)
             return build_lora(manager, request, map_copy_on_write(fd))
 
         manager._load_adapter = load_adapter
@@ -86,7 +88,7 @@ class StagedAdapters:
         return staged
 
     def drop(self, path: str) -> bool:
-        fd = self.blobs.pop(path, None)
+        fd = self.segments.pop(path, None)
         if fd is not None:
             os.close(fd)
         return fd is not None
@@ -125,12 +127,11 @@ def check_modules(names, expected: set[str], modules_to_save, mapper, skip_prefi
 
 
 def build_lora(manager, request, blob):
-    """The LoRAModel of a staged blob, built as vLLM's `_load_adapter` builds one from a directory:
-    same config validation (`PEFTHelper.validate_legal`), name mapping, module checks, dtype and
-    device; the tensors decoded fresh from the blob."""
+    """The LoRAModel of a blob, built as vLLM's `_load_adapter` builds one from a directory: same config
+    validation (`PEFTHelper.validate_legal`), name mapping, module checks, dtype and device. `blob` is
+    this build's own copy-on-write map, so its tensors are views: no copy, and vLLM's in-place scaling
+    of `lora_b` lands in the map's private pages, never in the segment a reload maps again."""
     from vllm.lora.peft_helper import PEFTHelper
-
-    from graft.rollout.adapter_blob import blob_config
 
     peft_helper = PEFTHelper.from_dict(dict(blob_config(blob),
                                             vllm_max_position_embeddings=manager.max_position_embeddings))
@@ -139,7 +140,7 @@ def build_lora(manager, request, blob):
     mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
     skip_prefixes = getattr(adapters.model, "lora_skip_prefixes", None)
-    tensors = blob_tensors(blob, copy=False)  # `blob` is this build's own copy-on-write map
+    tensors = blob_tensors(blob, copy=False)
     check_modules(tensors, expected_modules(adapters), peft_helper.modules_to_save, mapper, skip_prefixes,
                   request.lora_path)
     lora = manager._lora_model_cls.from_lora_tensors(
@@ -163,12 +164,12 @@ class MemoryAdapterWorker:
         return True
 
     def graft_drop_adapter(self, path: str) -> bool:
-        """Unmap the blob of memory path `path` (unloaded, or its load failed); whether there was one."""
+        """Close the segment of memory path `path` (unloaded, or its load failed); whether there was one."""
         return StagedAdapters.of(self.model_runner.lora_manager).drop(path)
 
     def graft_staged_labels(self) -> list[str]:
-        """The memory paths mapped now (what a test checks for leaks)."""
-        return sorted(StagedAdapters.of(self.model_runner.lora_manager).blobs)
+        """The memory paths whose segments are open now (what a test checks for leaks)."""
+        return sorted(StagedAdapters.of(self.model_runner.lora_manager).segments)
 
 
 # -- API server side ------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ _pending_drops: set[asyncio.Task] = set()  # drops sent after an unload answered
 
 
 def _drop_in_workers(engine_client, path: str) -> None:
-    """Unmap `path`'s blob in every worker, without making the caller wait: vLLM's engine core runs its
+    """Close `path`'s segment in every worker, without making the caller wait: vLLM's engine core runs its
     calls in order, so no later load or listing can overtake it."""
     task = asyncio.get_running_loop().create_task(engine_client.collective_rpc("graft_drop_adapter", args=(path,)))
     _pending_drops.add(task)
@@ -187,7 +188,7 @@ def _drop_in_workers(engine_client, path: str) -> None:
 def drop_blobs_on_unload() -> None:
     """Make vLLM's unload (`/v1/unload_lora_adapter`, any client) drop a memory adapter's blobs from
     the workers. vLLM's unload only forgets the name in the API server (the worker's LoRA cache evicts
-    the weights when it needs the slot), so without this every version's blob would stay mapped."""
+    the weights when it needs the slot), so without this every version's blob would stay open."""
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
