@@ -89,6 +89,9 @@ class SyncConfig(Section):
         "loaded by path (any engine sharing the filesystem); 'memory' = one safetensors blob in an HTTP call, no "
         "file (servers graft launches or serves); 'shm' = the blob in a shared-memory segment (such servers on "
         "this host); auto = the fastest the engines offer, logged. Registered in graft.sync.transport.")
+    keep_on_disk: bool = Field(
+        False, description="With sync.transport memory or shm, also publish every version's PEFT files (with a "
+        "manifest, as disk does) in the background after the engines loaded it; disk always writes them.")
     verify: bool = Field(True, description="Check after each push that the engine serves exactly the trained weights.")
     verify_tolerance: float | None = Field(
         None, gt=0, description="Largest allowed per-token |engine - trainer| log-prob gap on the probe prompt; "

@@ -208,6 +208,17 @@ def write_adapter_files(tensors: dict[str, torch.Tensor], config: dict, out_dir:
     CPU here, where they are serialized (a no-op for `adapter_tensors`' results, already there)."""
     host = {key: tensor.detach().to(device="cpu") for key, tensor in tensors.items()}
     save_safetensors(host, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    _write_config(config, out_dir)
+
+
+def write_adapter_blob_files(blob: bytes, config: dict, out_dir: Path) -> None:
+    """The two PEFT files from an adapter already serialized as one safetensors blob (what the memory
+    transports send, graft.rollout.adapter_blob): the blob is the weights file as it is."""
+    (out_dir / ADAPTER_WEIGHTS).write_bytes(blob)
+    _write_config(config, out_dir)
+
+
+def _write_config(config: dict, out_dir: Path) -> None:
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -120,6 +120,10 @@ class SegmentPool:
         self._held[key] = (name, buffer)
         return SharedBlob(name, size)
 
+    def contents(self, key: int) -> bytes:
+        """A copy of the blob held for `key`."""
+        return bytes(self._held[key][1])
+
     def release(self, key: int) -> None:
         """`key`'s segment may be rewritten (its version is no longer loaded anywhere)."""
         if (held := self._held.pop(key, None)) is not None:

@@ -17,7 +17,9 @@ One `sync(model, version, step)` per optimizer step, in this order:
    memory transport the engine turns out not to take (TransportUnsupportedError, e.g. a vLLM
    without graft's route) sends this and every later version by disk, logged once.
 4. retire what is still outside the window (with `keep_versions == 1`: the previous version).
-5. disk: `garbage_collect(protect=loaded)`, so no directory an engine still references is removed.
+5. disk: `garbage_collect(protect=loaded)`, so no directory an engine still references is removed
+   (the transport's `loaded`; with `sync.keep_on_disk` a memory transport writes the version's files
+   in the background then, and the next sync waits for that write first).
 
 Before the first sync, adapters named `<lora.name>-v*` that this run did not load are unloaded
 (one warning line names them): they are what a killed or failed run with the same `lora.name`
@@ -89,6 +91,8 @@ class AdapterSync:
         logger: Where unload failures are reported; default this module's logger.
         transport: `sync.transport`: a name in `graft.sync.transport.TRANSPORTS`, or "auto"; resolved
             against what the engines offer at the first sync (`transport` then names the one used).
+        keep_on_disk: `sync.keep_on_disk`: a memory transport also publishes each version's files,
+            in the background (graft.sync.transport).
 
     Raises:
         ValueError: keep_versions < 0, max_loras < 1, or keep_versions > max_loras.
@@ -100,7 +104,7 @@ class AdapterSync:
 
     def __init__(self, engine: RolloutEngine, publisher: WeightPublisher, *, lora_name: str, keep_versions: int,
                  max_loras: int, inflight: InFlightVersions, logger: logging.Logger | None = None,
-                 transport: str = "disk") -> None:
+                 transport: str = "disk", keep_on_disk: bool = False) -> None:
         if keep_versions < 0 or max_loras < 1 or keep_versions > max_loras:
             raise ValueError(f"need 0 <= keep_versions <= max_loras and max_loras >= 1 "
                              f"(got keep_versions={keep_versions}, max_loras={max_loras})")
@@ -122,6 +126,7 @@ class AdapterSync:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
         self._requested_transport = transport
+        self._keep_on_disk = keep_on_disk
         self._carrier: DiskTransport | MemoryTransport | None = None  # chosen at the first sync
 
     @property
@@ -166,7 +171,8 @@ class AdapterSync:
                 self._lease.claim()
                 await self._unload_stale()
                 self._stale_unloaded = True
-                self._carrier = TRANSPORTS[choose(self._requested_transport, self._engine)](self.publisher)
+                self._carrier = TRANSPORTS[choose(self._requested_transport, self._engine)](
+                    self.publisher, keep_on_disk=self._keep_on_disk)
             start = time.perf_counter()
             tensors, config = policy_source(policy).adapter()
             prepared = await self._carrier.prepare(version, step, tensors, config, self._loaded)
@@ -184,7 +190,7 @@ class AdapterSync:
                 await self._retire(self._loaded[:-self._keep], tried)
             applied_at = time.perf_counter()
 
-            await asyncio.to_thread(self.publisher.garbage_collect, KIND, protect=set(self._loaded))
+            await self._carrier.loaded(version, step, self._loaded)
             on_engine = await self.engine_adapters()
             failures, self._failures_reported = self.unload_failures - self._failures_reported, self.unload_failures
             return SyncResult(mode="adapter", version=version, adapter=name, seconds=time.perf_counter() - start,
@@ -213,6 +219,7 @@ class AdapterSync:
         """After a memory load the engine(s) refused as unsupported: undo it where it went in (a
         pool's other members), and prepare `version` for disk, the transport from now on."""
         self._log.warning("sync.transport %s: %s; this run's adapters go by disk from now on", self.transport, error)
+        await self._carrier.flush()
         self._carrier.close()
         self._carrier = DiskTransport(self.publisher)
         if isinstance(error, PoolBroadcastError) and error.succeeded:
@@ -287,6 +294,7 @@ class AdapterSync:
             if failed := [v for v in self._loaded if v not in kept]:
                 self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
             if self._carrier is not None:
+                await self._carrier.flush()
                 self._carrier.close()
             self._lease.release()
 

@@ -69,7 +69,8 @@ def _adapter_mode(config: GraftConfig, engine: RolloutEngine, weights_dir: Path,
     # On disk: what the engine has loaded is protected anyway; keep one more for inspection.
     publisher = WeightPublisher(weights_dir, keep_versions=keep + 1 if keep else 0)
     return AdapterSync(engine, publisher, lora_name=config.lora.name, keep_versions=keep,
-                       max_loras=config.rollout.max_loras, inflight=inflight, transport=config.sync.transport)
+                       max_loras=config.rollout.max_loras, inflight=inflight, transport=config.sync.transport,
+                       keep_on_disk=config.sync.keep_on_disk)
 
 
 def _merged_mode(config: GraftConfig, engine: RolloutEngine, weights_dir: Path,

@@ -7,6 +7,9 @@
   engine; nothing is written. Needs graft's memory route (servers graft launches or serves).
 - shm: the same blob in a shared-memory segment of this host, named in the call; for engines on
   this host.
+With `sync.keep_on_disk`, the memory transports also publish each version's PEFT files (manifest and
+all, as disk does) in the background once the engines loaded it: the next sync waits for that write
+before it starts, never the one that made the version servable.
 
 `auto` takes the fastest the engines offer (`choose`), measured by `graft bench sync` (adapter-memory
 rows; docs/benchmarks.md). A memory transport an engine turns out not to offer (a vLLM not started
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from graft.config import LOOPBACK_HOSTS
-from graft.lora.adapter_io import write_adapter_files
+from graft.lora.adapter_io import write_adapter_blob_files, write_adapter_files
 from graft.rollout.adapter_blob import SegmentPool, adapter_blob
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import EnginePool
@@ -50,11 +53,18 @@ class Prepared:
 class DiskTransport:
     name = "disk"
 
-    def __init__(self, publisher: WeightPublisher) -> None:
+    def __init__(self, publisher: WeightPublisher, *, keep_on_disk: bool = True) -> None:
         self.publisher = publisher
 
+    async def loaded(self, version: int, step: int, protect: Collection[int]) -> None:
+        """After a load: remove the versions no engine references (`protect`: the loaded ones)."""
+        await asyncio.to_thread(self.publisher.garbage_collect, KIND, protect=set(protect))
+
     def unloaded(self, version: int) -> None:
-        """`version` is loaded nowhere any more (the publisher's garbage collection handles the files)."""
+        """`version` is loaded nowhere any more (garbage collection handles its files)."""
+
+    async def flush(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -77,22 +87,50 @@ class MemoryTransport:
     """`memory` (kind "http": the blob in bytes) or `shm` (kind "shm": in a segment of this host, one of
     the run's reused segments, held while its version is loaded): the engine's `load_adapter_blob`."""
 
-    def __init__(self, publisher: WeightPublisher, kind: str) -> None:
+    def __init__(self, publisher: WeightPublisher, kind: str, *, keep_on_disk: bool = False) -> None:
         self.publisher = publisher
         self.kind = kind
         self.name = "memory" if kind == "http" else kind
+        self.keep_on_disk = keep_on_disk
         self._segments = SegmentPool() if kind == "shm" else None
+        self._blobs: dict[int, tuple[bytes | None, dict]] = {}  # version -> (bytes, config), for keep_on_disk
+        self._writing: asyncio.Task | None = None
 
     async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
-        """The blob (each tensor copied once, in a worker thread)."""
+        """The blob (each tensor copied once, in a worker thread), once the previous version's files are
+        written (`keep_on_disk`: one publisher writes a root at a time)."""
+        await self.flush()
         if self._segments is not None:
             blob = await asyncio.to_thread(self._segments.write, version, tensors, config)
             size = blob.size
         else:
             blob = await asyncio.to_thread(adapter_blob, tensors, config)
             size = len(blob)
+        if self.keep_on_disk:
+            self._blobs = {version: (None if self._segments is not None else blob, config)}
         label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
         return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob))
+
+    async def loaded(self, version: int, step: int, protect: Collection[int]) -> None:
+        """With `keep_on_disk`, publish the version's PEFT files in the background, off the sync's path
+        (the blob is the weights file; a segment stays unchanged while its version is loaded)."""
+        if not self.keep_on_disk or version not in self._blobs:
+            return
+        blob, config = self._blobs.pop(version)
+        self._writing = asyncio.create_task(asyncio.to_thread(self._publish, version, step, blob, config,
+                                                              set(protect)))
+
+    def _publish(self, version: int, step: int, blob: bytes | None, config: dict, protect: set[int]) -> None:
+        data = blob if blob is not None else self._segments.contents(version)
+        self.publisher.publish(KIND, version, step, lambda tmp: write_adapter_blob_files(data, config, tmp),
+                               protect=protect)
+        self.publisher.garbage_collect(KIND, protect=protect | {version})
+
+    async def flush(self) -> None:
+        """Wait for the background write; raise what it raised (a version that could not be kept)."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            await writing
 
     def unloaded(self, version: int) -> None:
         """`version` is loaded nowhere any more (or never was): its segment may be rewritten."""
@@ -104,10 +142,11 @@ class MemoryTransport:
             self._segments.close()
 
 
-TRANSPORTS: dict[str, Callable[[WeightPublisher], DiskTransport | MemoryTransport]] = {
+# (publisher, keep_on_disk) -> transport
+TRANSPORTS: dict[str, Callable[..., DiskTransport | MemoryTransport]] = {
     "disk": DiskTransport,
-    "memory": lambda publisher: MemoryTransport(publisher, "http"),
-    "shm": lambda publisher: MemoryTransport(publisher, "shm"),
+    "memory": lambda publisher, keep_on_disk=False: MemoryTransport(publisher, "http", keep_on_disk=keep_on_disk),
+    "shm": lambda publisher, keep_on_disk=False: MemoryTransport(publisher, "shm", keep_on_disk=keep_on_disk),
 }
 
 

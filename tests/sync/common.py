@@ -91,11 +91,11 @@ class RecordingEngine:
 
 
 def make_sync(engine, tmp_path, *, keep: int, max_loras: int = 4, lora_name: str = "graft", disk_keep: int = 0,
-              transport: str = "disk"):
+              transport: str = "disk", keep_on_disk: bool = False):
     inflight = InFlightVersions()
     publisher = WeightPublisher(tmp_path / "weights", keep_versions=disk_keep)
     sync = AdapterSync(engine, publisher, lora_name=lora_name, keep_versions=keep, max_loras=max_loras,
-                       inflight=inflight, transport=transport)
+                       inflight=inflight, transport=transport, keep_on_disk=keep_on_disk)
     return sync, inflight, publisher
 
 

@@ -9,11 +9,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from graft.lora.attach import lora_parameters
 from graft.rollout.adapter_blob import SHM_DIR, SharedBlob, blob_config, map_segment
 from graft.rollout.engine import TransportUnsupportedError
 from graft.rollout.pool import EnginePool
 from graft.sync.source import policy_source
 from graft.sync.transport import choose, offered
+from tests.helpers import is_peft_adapter
 from tests.sync.common import RecordingEngine, make_sync, run
 
 
@@ -116,3 +118,33 @@ def test_a_pool_member_refusing_the_route_leaves_no_memory_copy_on_the_others(tm
     assert sync.transport == "disk"
     assert on_willing == on_refusing == {"graft-v1": str(tmp_path / "weights" / "adapter-v000001")}
     assert willing.calls == ["load graft-v1 by http", "unload graft-v1", "load graft-v1"]
+
+
+@pytest.mark.parametrize("transport", ["memory", "shm"])
+def test_keep_on_disk_publishes_each_memory_version_after_its_load(tmp_path, peft_model, transport):
+    import safetensors.torch
+
+    from graft.lora.adapter_io import ADAPTER_WEIGHTS, read_adapter_config
+    from graft.sync.publish import read_version
+
+    engine = BlobEngine()
+    sync, _, publisher = make_sync(engine, tmp_path, keep=2, transport=transport, keep_on_disk=True)
+    snapshots = []
+
+    async def main():
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for param in lora_parameters(peft_model).values():
+                    param.add_(0.01)
+            snapshots.append({k: t.clone() for k, t in policy_source(peft_model).adapter()[0].items()})
+            await sync.sync(peft_model, version, step=10 * version)
+        await sync.close()  # waits for the last write
+
+    run(main())
+    for version, want in zip((1, 2, 3), snapshots):
+        published = read_version(publisher.root, "adapter", version)  # manifest and sha256 checked
+        assert published.step == 10 * version and is_peft_adapter(published.path)
+        assert read_adapter_config(published.path) == policy_source(peft_model).adapter()[1]
+        got = safetensors.torch.load_file(published.path / ADAPTER_WEIGHTS)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert engine.adapters == {} and sync.transport == transport
