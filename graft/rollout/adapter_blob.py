@@ -50,8 +50,9 @@ class SharedBlob:
         drop_segment(self.segment)
 
 
-def _layout(tensors: dict[str, torch.Tensor], config: dict) -> tuple[bytes, list[tuple[torch.Tensor, int]]]:
-    """The blob's prefix (length + JSON header) and each tensor with its offset after the prefix."""
+def _layout(tensors: dict[str, torch.Tensor], config: dict) -> tuple[bytes, list[tuple[torch.Tensor, int]], int]:
+    """The blob's prefix (length + JSON header), each tensor with its offset after the prefix, and the
+    blob's size."""
     header: dict = {"__metadata__": {"format": "pt", CONFIG_KEY: json.dumps(config, sort_keys=True)}}
     placed, offset = [], 0
     for key, tensor in tensors.items():
@@ -64,7 +65,8 @@ def _layout(tensors: dict[str, torch.Tensor], config: dict) -> tuple[bytes, list
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # tensors start 8-byte aligned, as safetensors writes them
-    return struct.pack("<Q", len(text)) + text, placed
+    prefix = struct.pack("<Q", len(text)) + text
+    return prefix, placed, len(prefix) + offset
 
 
 def _fill(buffer, prefix: bytes, placed: list[tuple[torch.Tensor, int]]) -> None:
@@ -76,14 +78,10 @@ def _fill(buffer, prefix: bytes, placed: list[tuple[torch.Tensor, int]]) -> None
             torch.frombuffer(buffer, dtype=torch.uint8, count=raw.numel(), offset=len(prefix) + offset).copy_(raw)
 
 
-def _size(prefix: bytes, placed: list[tuple[torch.Tensor, int]]) -> int:
-    return len(prefix) + sum(t.numel() * t.element_size() for t, _ in placed)
-
-
 def adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> bytes:
     """`tensors` (PEFT names) and the PEFT `config` as one blob in bytes (for an HTTP body)."""
-    prefix, placed = _layout(tensors, config)
-    buffer = bytearray(_size(prefix, placed))
+    prefix, placed, size = _layout(tensors, config)
+    buffer = bytearray(size)
     _fill(buffer, prefix, placed)
     return bytes(buffer)
 
@@ -108,8 +106,7 @@ class SegmentPool:
         _remove_orphans()
 
     def write(self, key: int, tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
-        prefix, placed = _layout(tensors, config)
-        size = _size(prefix, placed)
+        prefix, placed, size = _layout(tensors, config)
         reusable = next((i for i, (_, buffer) in enumerate(self._free) if len(buffer) == size), None)
         name, buffer = self._free.pop(reusable) if reusable is not None else _create_segment(size)
         try:
@@ -169,19 +166,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
-
-
-def shared_adapter_blob(tensors: dict[str, torch.Tensor], config: dict) -> SharedBlob:
-    """The same blob in a new one-off shared-memory segment; the caller releases it after the load call."""
-    prefix, placed = _layout(tensors, config)
-    name, buffer = _create_segment(_size(prefix, placed))
-    with buffer:
-        try:
-            _fill(buffer, prefix, placed)
-        except BaseException:
-            drop_segment(name)
-            raise
-        return SharedBlob(name, len(buffer))
 
 
 def segment_path(name: str) -> str:

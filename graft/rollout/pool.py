@@ -243,12 +243,6 @@ class EnginePool:
         await self._broadcast(f"load_adapter_blob({name!r})",
                               lambda e: e.load_adapter_blob(name, label, blob))
 
-    @property
-    def memory_transports(self) -> tuple[str, ...]:
-        """The memory transports every live engine takes."""
-        kinds = [set(getattr(e, "memory_transports", ())) for e in self.engines]
-        return tuple(sorted(set.intersection(*kinds))) if kinds else ()
-
     async def unload_adapter(self, name: str) -> None:
         """Unload on every live engine at once; PoolBroadcastError if it failed."""
         await self._broadcast(f"unload_adapter({name!r})", lambda e: e.unload_adapter(name))

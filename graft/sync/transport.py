@@ -25,6 +25,7 @@ does for disk versions (graft.sync.owner).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class MemoryTransport:
         self.name = "memory" if kind == "http" else kind
         self.keep_on_disk = keep_on_disk
         self._segments = SegmentPool() if kind == "shm" else None
-        self._blobs: dict[int, tuple[bytes | None, dict]] = {}  # version -> (bytes, config), for keep_on_disk
+        self._to_keep: tuple[int, bytes | None, dict] | None = None  # keep_on_disk: (version, bytes, config)
         self._writing: asyncio.Task | None = None
 
     async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
@@ -106,17 +107,18 @@ class MemoryTransport:
         else:
             blob = await asyncio.to_thread(adapter_blob, tensors, config)
             size = len(blob)
-        if self.keep_on_disk:
-            self._blobs = {version: (None if self._segments is not None else blob, config)}
+        if self.keep_on_disk:  # a segment's bytes are read from the pool when written
+            self._to_keep = (version, None if self._segments is not None else blob, config)
         label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
         return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob))
 
     async def loaded(self, version: int, step: int, protect: Collection[int]) -> None:
         """With `keep_on_disk`, publish the version's PEFT files in the background, off the sync's path
         (the blob is the weights file; a segment stays unchanged while its version is loaded)."""
-        if not self.keep_on_disk or version not in self._blobs:
+        if self._to_keep is None or self._to_keep[0] != version:
             return
-        blob, config = self._blobs.pop(version)
+        _, blob, config = self._to_keep
+        self._to_keep = None
         self._writing = asyncio.create_task(asyncio.to_thread(self._publish, version, step, blob, config,
                                                               set(protect)))
 
@@ -142,11 +144,11 @@ class MemoryTransport:
             self._segments.close()
 
 
-# (publisher, keep_on_disk) -> transport
+# (publisher, *, keep_on_disk) -> transport
 TRANSPORTS: dict[str, Callable[..., DiskTransport | MemoryTransport]] = {
     "disk": DiskTransport,
-    "memory": lambda publisher, keep_on_disk=False: MemoryTransport(publisher, "http", keep_on_disk=keep_on_disk),
-    "shm": lambda publisher, keep_on_disk=False: MemoryTransport(publisher, "shm", keep_on_disk=keep_on_disk),
+    "memory": functools.partial(MemoryTransport, kind="http"),
+    "shm": functools.partial(MemoryTransport, kind="shm"),
 }
 
 
@@ -156,10 +158,10 @@ def offered(engine: RolloutEngine) -> set[str]:
     engines = engine.engines if isinstance(engine, EnginePool) else [engine]
     names = {"disk", "memory", "shm"}
     for member in engines:
-        kinds = set(getattr(member, "memory_transports", ()) if hasattr(member, "load_adapter_blob") else ())
-        url = getattr(member, "address", "")
-        local = urlparse(url).hostname in LOOPBACK_HOSTS if "://" in url else False
-        names &= {"disk"} | {"memory" for k in kinds if k == "http"} | {"shm" for k in kinds if k == "shm" and local}
+        kinds = set(getattr(member, "memory_transports", ())) if hasattr(member, "load_adapter_blob") else set()
+        local = urlparse(getattr(member, "address", "")).hostname in LOOPBACK_HOSTS
+        takes = {"memory": "http" in kinds, "shm": "shm" in kinds and local}
+        names &= {"disk"} | {name for name, ok in takes.items() if ok}
     return names
 
 

@@ -38,7 +38,6 @@ from graft.rollout.adapter_blob import (
     map_copy_on_write,
     new_segment,
     open_segment,
-    segment_path,
 )
 
 ROUTE = "/v1/graft/load_lora_adapter"
@@ -185,6 +184,11 @@ def _drop_in_workers(engine_client, path: str) -> None:
     task.add_done_callback(_pending_drops.discard)
 
 
+def _registered(models, path: str) -> bool:
+    """Whether any adapter name vLLM serves is registered from `path`."""
+    return any(r.lora_path == path for r in models.lora_requests.values())
+
+
 def drop_blobs_on_unload() -> None:
     """Make vLLM's unload (`/v1/unload_lora_adapter`, any client) drop a memory adapter's blobs from
     the workers. vLLM's unload only forgets the name in the API server (the worker's LoRA cache evicts
@@ -200,8 +204,7 @@ def drop_blobs_on_unload() -> None:
         registered = self.lora_requests.get(request.lora_name)
         answer = await unload(self, request, *args, **kwargs)
         path = getattr(registered, "lora_path", "")
-        if memory_segment(path) and not isinstance(answer, ErrorResponse) and \
-                all(r.lora_path != path for r in self.lora_requests.values()):
+        if memory_segment(path) and not isinstance(answer, ErrorResponse) and not _registered(self, path):
             _drop_in_workers(self.engine_client, path)
         return answer
 
@@ -238,9 +241,8 @@ def add_memory_route(app) -> None:
             return error(400, "expected query parameters lora_name and lora_path (the version's unique label)")
         segment = raw_request.query_params.get("shm")
         try:
-            if segment is not None and not os.path.exists(segment_path(segment)):
-                raise BlobError(f"no shared-memory segment {segment!r} on the server's host (the shm transport "
-                                "needs trainer and server on one host)")
+            if segment is not None:
+                os.close(open_segment(segment))  # a bad name, or not on this host: refused before vLLM sees it
         except BlobError as bad:
             return error(400, str(bad))
         if not getattr(state, "graft_loads_from_memory", False):  # once per server
@@ -255,7 +257,7 @@ def add_memory_route(app) -> None:
             if body_segment is not None:  # the workers mapped it, or failed
                 body_segment.release()
         if isinstance(answer, ErrorResponse):
-            if all(r.lora_path != path for r in models.lora_requests.values()):
+            if not _registered(models, path):
                 _drop_in_workers(state.engine_client, path)
             return JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
         return Response(status_code=200, content=answer)

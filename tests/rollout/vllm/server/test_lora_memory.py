@@ -24,7 +24,6 @@ from graft.rollout.adapter_blob import (
     blob_tensors,
     map_segment,
     new_segment,
-    shared_adapter_blob,
 )
 from graft.rollout.engine import (
     EngineError,
@@ -52,15 +51,16 @@ def test_a_blob_carries_its_tensors_and_config_and_safetensors_reads_it():
     for decoded in (safetensors.torch.load(blob), blob_tensors(blob)):
         assert decoded.keys() == tensors.keys()
         assert all(decoded[k].dtype == t.dtype and torch.equal(decoded[k], t) for k, t in tensors.items())
-    shared = shared_adapter_blob(tensors, config)
+    segments = SegmentPool()
     try:
+        shared = segments.write(1, tensors, config)
         mapped = map_segment(shared.segment)
         assert bytes(mapped) == blob and shared.size == len(blob)
         fresh = blob_tensors(mapped)
         fresh["a.lora_A.weight"] *= 2  # what vLLM's optimize() does to lora_b: the blob stays as it was
         assert torch.equal(blob_tensors(mapped)["a.lora_A.weight"], tensors["a.lora_A.weight"])
     finally:
-        shared.release()
+        segments.close()
 
 
 @pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20],
