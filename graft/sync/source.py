@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from graft.lora.adapter_io import adapter_layout, adapter_tensors
+from graft.lora.adapter_io import AdapterWeights, adapter_layout, adapter_weights
 from graft.lora.attach import lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.rl.logprobs import sequence_logprobs
@@ -34,8 +34,8 @@ class PolicySource(Protocol):
         """Every LoRA tensor whole, by training parameter name."""
         ...
 
-    def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        """The adapter file's tensors (PEFT names, `dtype`, default the base's) and its PEFT config."""
+    def adapter(self) -> AdapterWeights:
+        """The adapter as the trainer holds it now: PEFT names, the dtype to serve, the PEFT config."""
         ...
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,9 +64,9 @@ class ModelSource:
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in lora_parameters(self.model).items()}
 
-    def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def adapter(self) -> AdapterWeights:
         layout = adapter_layout(self.model)
-        return adapter_tensors(layout.lora_tensors(), dtype or layout.dtype), dict(layout.config)
+        return adapter_weights(layout.lora_tensors(), layout)
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_merged_weights(self.model, dtype)

@@ -7,6 +7,9 @@
   engine; nothing is written. Needs graft's memory route (servers graft launches or serves).
 - shm: the same blob in a shared-memory segment of this host, named in the call; for engines on
   this host.
+Both write the blob straight from the trainer's LoRA tensors, converting to the served dtype as they
+copy, with the LoRA scaling folded into lora_B (graft.rollout.adapter_blob.folded_scaling), so vLLM's
+build writes nothing (measured at the Qwen2.5-0.5B shape: `add_lora` 23 -> 13 ms).
 With `sync.keep_on_disk`, the memory transports also publish each version's PEFT files (manifest and
 all, as disk does) in the background once the engines loaded it: the next sync waits for that write
 before it starts, never the one that made the version servable.
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from graft.config import LOOPBACK_HOSTS
-from graft.lora.adapter_io import write_adapter_blob_files, write_adapter_files
+from graft.lora.adapter_io import AdapterWeights, write_adapter_blob_files, write_adapter_files
 from graft.rollout.adapter_blob import SegmentPool, adapter_blob
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import EnginePool
@@ -70,10 +73,11 @@ class DiskTransport:
     def close(self) -> None:
         pass
 
-    async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
+    async def prepare(self, version: int, step: int, weights: AdapterWeights, protect: Collection[int]) -> Prepared:
         """Publish the PEFT files (in a worker thread: generation on the event loop goes on)."""
-        published = await asyncio.to_thread(self.publisher.publish, KIND, version, step,
-                                            lambda tmp: write_adapter_files(tensors, config, tmp), protect=set(protect))
+        published = await asyncio.to_thread(
+            self.publisher.publish, KIND, version, step,
+            lambda tmp: write_adapter_files(weights.converted(), weights.config, tmp), protect=set(protect))
 
         async def load(engine: RolloutEngine, name: str) -> None:
             # The files the engine is about to read still match their manifest (size and sha256; one
@@ -97,18 +101,20 @@ class MemoryTransport:
         self._to_keep: tuple[int, bytes | None, dict] | None = None  # keep_on_disk: (version, bytes, config)
         self._writing: asyncio.Task | None = None
 
-    async def prepare(self, version: int, step: int, tensors: dict, config: dict, protect: Collection[int]) -> Prepared:
-        """The blob (each tensor copied once, in a worker thread), once the previous version's files are
-        written (`keep_on_disk`: one publisher writes a root at a time)."""
+    async def prepare(self, version: int, step: int, weights: AdapterWeights, protect: Collection[int]) -> Prepared:
+        """The blob (each tensor converted and copied once, in a worker thread; the scaling folded in
+        unless the blob is also the kept PEFT file), once the previous version's files are written
+        (`keep_on_disk`: one publisher writes a root at a time)."""
         await self.flush()
+        options = {"dtype": weights.dtype, "fold_scaling": not self.keep_on_disk}
         if self._segments is not None:
-            blob = await asyncio.to_thread(self._segments.write, version, tensors, config)
+            blob = await asyncio.to_thread(self._segments.write, version, weights.tensors, weights.config, **options)
             size = blob.size
         else:
-            blob = await asyncio.to_thread(adapter_blob, tensors, config)
+            blob = await asyncio.to_thread(adapter_blob, weights.tensors, weights.config, **options)
             size = len(blob)
         if self.keep_on_disk:  # a segment's bytes are read from the pool when written
-            self._to_keep = (version, None if self._segments is not None else blob, config)
+            self._to_keep = (version, None if self._segments is not None else blob, weights.config)
         label = str(self.publisher.root / (version_dir_name(KIND, version) + MEMORY_LABEL_SUFFIX))
         return Prepared(size, lambda engine, name: engine.load_adapter_blob(name, label, blob))
 

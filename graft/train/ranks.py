@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from graft.lora.adapter_io import adapter_layout, adapter_tensors
+from graft.lora.adapter_io import AdapterWeights, adapter_layout, adapter_weights
 from graft.lora.merge import iter_merged_weights, run_merge_gathers
 from graft.rl.logprobs import sequence_logprobs
 from graft.sync.source import probe_logits_finite
@@ -133,10 +133,9 @@ class ShardedSource:
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self._lora)
 
-    def adapter(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def adapter(self) -> AdapterWeights:
         """From the gathered LoRA tensors: no collective, no base weight read."""
-        layout = adapter_layout(self.model)  # checks the model is a LoRA PEFT model first
-        return adapter_tensors(self._lora, dtype or layout.dtype), dict(layout.config)
+        return adapter_weights(self._lora, adapter_layout(self.model))  # the layout checks the model first
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Announced when the writer starts reading: the other ranks gather module by module with us."""

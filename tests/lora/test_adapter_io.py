@@ -275,7 +275,8 @@ def test_a_sync_reads_the_layout_once_and_the_tensors_every_time(tiny_model_dirs
 
     model = trained_like_peft_model(tiny_model_dirs["qwen2"], rank=4, seed=2)
     source = ModelSource(model)
-    tensors, config = source.adapter()
+    weights = source.adapter()
+    tensors, config = weights.converted(), weights.config
     before = {k: t.clone() for k, t in tensors.items()}
     assert config == adapter_config_dict(model) and adapter_layout(model) is adapter_layout(model)
     assert before.keys() == adapter_state_dict(model).keys()
@@ -283,6 +284,6 @@ def test_a_sync_reads_the_layout_once_and_the_tensors_every_time(tiny_model_dirs
     with torch.no_grad():  # an optimizer step: new values in the same parameters
         for param in lora_parameters(model).values():
             param.mul_(3).add_(0.5)
-    after, _ = source.adapter()
+    after = source.adapter().converted()
     assert all(torch.equal(after[k], t) for k, t in adapter_state_dict(model).items())
     assert not any(torch.equal(after[k], before[k]) for k in before)

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from graft.lora.attach import lora_parameters
-from graft.rollout.adapter_blob import SHM_DIR, SharedBlob, blob_config, map_segment
+from graft.rollout.adapter_blob import SHM_DIR, SharedBlob, blob_config, folded_scaling, map_segment
 from graft.rollout.engine import TransportUnsupportedError
 from graft.rollout.pool import EnginePool
 from graft.sync.source import policy_source
@@ -66,7 +66,8 @@ def test_an_unknown_transport_is_refused(tmp_path):
 def test_memory_versions_carry_the_trainers_tensors_and_write_no_file(tmp_path, peft_model, transport):
     engine = BlobEngine()
     sync, _, publisher = make_sync(engine, tmp_path, keep=2, transport=transport)
-    tensors, config = policy_source(peft_model).adapter()
+    weights = policy_source(peft_model).adapter()
+    tensors, config = weights.converted(), weights.config
 
     async def main():
         for version in (1, 2, 3):
@@ -79,8 +80,10 @@ def test_memory_versions_carry_the_trainers_tensors_and_write_no_file(tmp_path, 
     loaded = run(main())
     blob = engine.blobs["graft-v3"]
     decoded = safetensors.torch.load(blob)
-    assert decoded.keys() == tensors.keys() and all(torch.equal(decoded[k], tensors[k]) for k in tensors)
-    assert blob_config(blob) == config
+    served_config, scaling = folded_scaling(config)  # the served form: scaling folded into lora_B
+    assert scaling != 1 and blob_config(blob) == served_config
+    assert decoded.keys() == tensors.keys()
+    assert all(torch.equal(decoded[k], tensors[k] * scaling if ".lora_B." in k else tensors[k]) for k in tensors)
     assert engine.calls[:2] == [f"load graft-v1 by {'http' if transport == 'memory' else 'shm'}", "load graft-v2 by "
                                 f"{'http' if transport == 'memory' else 'shm'}"]
     assert engine.adapters == {}  # the window's unloads went as with disk
@@ -136,7 +139,7 @@ def test_keep_on_disk_publishes_each_memory_version_after_its_load(tmp_path, pef
             with torch.no_grad():
                 for param in lora_parameters(peft_model).values():
                     param.add_(0.01)
-            snapshots.append({k: t.clone() for k, t in policy_source(peft_model).adapter()[0].items()})
+            snapshots.append({k: t.clone() for k, t in policy_source(peft_model).adapter().converted().items()})
             await sync.sync(peft_model, version, step=10 * version)
         await sync.close()  # waits for the last write
 
@@ -144,7 +147,7 @@ def test_keep_on_disk_publishes_each_memory_version_after_its_load(tmp_path, pef
     for version, want in zip((1, 2, 3), snapshots):
         published = read_version(publisher.root, "adapter", version)  # manifest and sha256 checked
         assert published.step == 10 * version and is_peft_adapter(published.path)
-        assert read_adapter_config(published.path) == policy_source(peft_model).adapter()[1]
+        assert read_adapter_config(published.path) == policy_source(peft_model).adapter().config
         got = safetensors.torch.load_file(published.path / ADAPTER_WEIGHTS)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert engine.adapters == {} and sync.transport == transport

@@ -6,6 +6,7 @@ load in PEFT, and `graft train` under torchrun with dist.tp=2 matches one proces
 and real vLLM). Every collective runs under a short process-group timeout, so a hang (the seed's
 deadlocks) fails the test instead of stalling it."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -123,9 +124,9 @@ def _policy_step(ctx: Dist, model_dir, run_dir, out_dir, step: int) -> None:
         return
     metrics = policy.learn(_batch(3, 2, seed=step), step)
     policy.maybe_checkpoint(step)
-    tensors, adapter_config = policy.source.adapter(torch.float32)
+    weights = dataclasses.replace(policy.source.adapter(), dtype=torch.float32)
     (out_dir / f"adapter-{step}").mkdir()
-    write_adapter_files(tensors, adapter_config, out_dir / f"adapter-{step}")
+    write_adapter_files(weights.converted(), weights.config, out_dir / f"adapter-{step}")
     (out_dir / f"metrics-{step}.json").write_text(json.dumps(metrics))
     if ctx.active:
         policy.release_followers()

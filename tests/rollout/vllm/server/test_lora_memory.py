@@ -22,6 +22,7 @@ from graft.rollout.adapter_blob import (
     adapter_blob,
     blob_config,
     blob_tensors,
+    folded_scaling,
     map_segment,
     new_segment,
 )
@@ -61,6 +62,23 @@ def test_a_blob_carries_its_tensors_and_config_and_safetensors_reads_it():
         assert torch.equal(blob_tensors(mapped)["a.lora_A.weight"], tensors["a.lora_A.weight"])
     finally:
         segments.close()
+
+
+@pytest.mark.parametrize("config, served, scaling", [
+    ({"r": 8, "lora_alpha": 12}, {"r": 8, "lora_alpha": 8, "use_rslora": False}, 1.5),
+    ({"r": 16, "lora_alpha": 16, "use_rslora": True}, {"r": 16, "lora_alpha": 16, "use_rslora": False}, 4.0),
+    ({"r": 8, "lora_alpha": 8}, {"r": 8, "lora_alpha": 8}, 1.0),  # nothing to fold
+    ({"r": 8, "lora_alpha": 16, "alpha_pattern": {"q_proj": 4}}, None, 1.0),  # per-module scaling: as it is
+])
+def test_folding_the_scaling_keeps_the_adapters_function(config, served, scaling):
+    lora_a, lora_b = torch.randn(config["r"], 5), torch.randn(7, config["r"]).to(torch.bfloat16)
+    tensors = {"m.q_proj.lora_A.weight": lora_a, "m.q_proj.lora_B.weight": lora_b}
+    folded = adapter_blob(tensors, config, fold_scaling=True)
+    assert folded_scaling(config) == (served or config, scaling)
+    assert blob_config(folded) == (served or config)
+    decoded = blob_tensors(folded)
+    assert torch.equal(decoded["m.q_proj.lora_A.weight"], lora_a)
+    assert torch.equal(decoded["m.q_proj.lora_B.weight"], lora_b * scaling)  # vLLM's own in-place multiply
 
 
 @pytest.mark.parametrize("blob", [b"", b"not safetensors at all", adapter_blob({"x": torch.zeros(1)}, {})[:20],
@@ -129,8 +147,10 @@ def test_memory_paths_name_their_segment_and_no_directory_is_mistaken_for_one():
 
 # -- against the real server ------------------------------------------------------------------------
 
-def _blob(base_dir, seed, rank=8):
-    return adapter_blob(*policy_source(trained_like_peft_model(base_dir, rank=rank, seed=seed)).adapter())
+def _blob(base_dir, seed, rank=8, alpha=16, fold_scaling=False):
+    model = trained_like_peft_model(base_dir, rank=rank, alpha=alpha, seed=seed)
+    weights = policy_source(model).adapter()
+    return adapter_blob(weights.tensors, weights.config, dtype=weights.dtype, fold_scaling=fold_scaling)
 
 
 async def _served(client, name):
@@ -149,8 +169,11 @@ async def _staged(server):
 
 @pytest.mark.vllm
 def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_dir, tmp_path):
-    blob = _blob(base_dir, seed=3)
-    save_adapter(trained_like_peft_model(base_dir, rank=8, seed=3), tmp_path / "disk")
+    """Scaling 12/8: folded into lora_B by the trainer (a multiply that does not round to the same
+    values as a power of two would) or by vLLM's optimize() at build, the served weights are bit-equal."""
+    blob, folded = (_blob(base_dir, seed=3, alpha=12, fold_scaling=fold) for fold in (False, True))
+    save_adapter(trained_like_peft_model(base_dir, rank=8, alpha=12, seed=3), tmp_path / "disk")
+    names = ("disk", "mem-http", "mem-shm", "mem-folded")
 
     async def run():
         async with VllmClient(vllm_server.url) as client:
@@ -159,22 +182,23 @@ def test_memory_loads_serve_exactly_what_the_disk_load_serves(vllm_server, base_
             try:
                 await client.load_adapter_blob("mem-http", str(tmp_path / "label-http"), blob)
                 await client.load_adapter_blob("mem-shm", str(tmp_path / "label-shm"), shared)
+                await client.load_adapter_blob("mem-folded", str(tmp_path / "label-folded"), folded)
             finally:
                 shared.release()
             try:
-                served = {name: await _served(client, name) for name in ("disk", "mem-http", "mem-shm")}
+                served = {name: await _served(client, name) for name in names}
                 paths = await client.adapter_paths()
                 staged = await _staged(vllm_server)
             finally:
-                for name in ("disk", "mem-http", "mem-shm"):
+                for name in names:
                     await client.unload_adapter(name)
             return served, paths, staged, await _staged(vllm_server), shared
 
     served, paths, staged, after, shared = asyncio.run(run())
-    assert served["mem-http"] == served["disk"] and served["mem-shm"] == served["disk"]
+    assert all(served[name] == served["disk"] for name in names)
     assert memory_segment(paths["mem-shm"]) == shared.segment and not os.path.exists(paths["mem-shm"])
     assert paths["mem-shm"].startswith(str(tmp_path / "label-shm#"))
-    assert staged == [sorted([paths["mem-http"], paths["mem-shm"]])]
+    assert staged == [sorted([paths["mem-http"], paths["mem-shm"], paths["mem-folded"]])]
     assert after == [[]]  # the unload dropped the blobs
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith("graft-lora-")]  # every segment unlinked
 
@@ -204,8 +228,9 @@ def test_evictions_and_reloads_serve_the_first_load_bit_for_bit(vllm_server, bas
 @pytest.mark.vllm
 def test_a_bad_adapter_is_refused_by_vllms_own_checks_and_leaves_nothing(vllm_server, base_dir, tmp_path):
     too_wide = _blob(base_dir, seed=4, rank=16)  # the server's --max-lora-rank is 8
-    tensors, config = policy_source(trained_like_peft_model(base_dir, rank=8, seed=4)).adapter()
-    foreign = adapter_blob({k.replace("q_proj", "conv_proj"): t for k, t in tensors.items()}, config)
+    weights = policy_source(trained_like_peft_model(base_dir, rank=8, seed=4)).adapter()
+    foreign = adapter_blob({k.replace("q_proj", "conv_proj"): t for k, t in weights.converted().items()},
+                           weights.config)
 
     async def run():
         async with VllmClient(vllm_server.url) as client:
