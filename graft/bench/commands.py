@@ -48,6 +48,9 @@ BENCHES = {
     "step": Bench("graft.bench.step", "one whole `graft train` step (vLLM rollout of 64 x 256 tokens, update, adapter "
                                       "sync, verification) at the Qwen2.5-0.5B shape (--layers, default 24), default "
                                       "config; seconds per phase, peak memory."),
+    "verify": Bench("graft.bench.verify_cost", "what the delivery check after every sync costs: quickstart step "
+                                               "seconds with sync.verify on and off (runs alternating on one "
+                                               "server), and one check's seconds at the Qwen2.5-0.5B shape."),
     "update": Bench("graft.bench.update", "one GRPO update (LoRA r16 fp32, one optimizer step) at the Qwen2.5-0.5B "
                                           "shape on this machine's device (CUDA or CPU), graft vs TRL GRPOTrainer + "
                                           "PEFT; best of --repeats after a warm-up: seconds, CPU seconds, tokens/s, "
