@@ -1,0 +1,1 @@
+"""Fault-injection tests of graft's sync and delivery checks."""
