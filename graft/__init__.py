@@ -7,7 +7,8 @@ dimensions in order, so ``logprobs_BT`` is ``[B, T]`` and ``adv_B1`` is ``[B, 1]
 - ``B`` batch rows, one sequence each; ``T`` token positions of a row; ``C`` completion tokens of a
   row (as many as the batch's longest completion); ``K`` the positions the LM head scores.
 - ``R`` packed rows, several sequences back to back in each; ``L`` token positions of a packed row;
-  ``N`` items flattened into one dimension (packed tokens, rows x positions, measured points).
+  ``N`` items flattened into one dimension (packed tokens, rows x positions, measured points); ``M`` a
+  subset of them (one adapter's tokens).
 - ``V`` vocabulary; ``H`` hidden size; ``I``/``O`` input/output features of a LoRA matrix; ``S`` an
   inference engine's adapter slots.
 - A digit is a dimension of that size; a lowercase ``x`` stands for whichever leading dimensions

@@ -1,0 +1,204 @@
+"""Many tenants' LoRA adapters on one frozen base, trained in shared batches: `TenantPolicy`.
+
+Each tenant is a PEFT adapter of its own (rank, alpha, target modules, initialisation seed) on the
+same base model, with its own optimizer. `forward_backward` takes datums of any tenants, runs them
+as one padded batch through the base once, each token's LoRA delta from its tenant's adapter
+(graft.lora.routing), and accumulates each tenant's gradients from its own datums' losses only;
+`optim_step(tenant, ...)` then steps that tenant alone. This is the Tinker API's training model
+(forward_backward accumulates, optim_step applies) with the batch shared across tenants.
+
+Isolation: a tenant's adapter after any sequence of calls equals the same tenant trained alone on the
+same datums (tested to 1e-6 relative, fp32), whatever the others did; a tenant whose gradients are
+not finite is refused its step alone. Losses are sums over positions (graft.tenants.losses), so no
+datum's weight depends on the others in its batch.
+
+Shape suffixes: see graft/__init__.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import peft
+import torch
+from torch import nn
+
+from graft.config import ALL_LINEAR
+from graft.lora.routing import BASE_ONLY, routed
+from graft.rl.logprobs import teacher_forced_logprobs
+from graft.tenants.losses import LOSSES
+
+
+class TenantError(ValueError):
+    """A request that names an unknown tenant, an unknown loss, or malformed datums."""
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant's adapter: its name (the PEFT adapter name) and LoRA hyper-parameters."""
+
+    name: str
+    rank: int
+    alpha: float = 32.0
+    target_modules: str | tuple[str, ...] = ALL_LINEAR
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optimizer step's settings (the Tinker SDK's `AdamParams` and defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence of one tenant: position i scores `tokens[i + 1]`; `inputs` holds the loss's
+    per-position values (graft.tenants.losses), one per scored position (len(tokens) - 1)."""
+
+    tenant: str
+    tokens: Sequence[int]
+    inputs: dict[str, Sequence[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatumResult:
+    """A datum's loss and its log-probs at the scored positions (before any step)."""
+
+    loss: float
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `optim_step` did: applied, the gradient norm it saw, and why not when refused."""
+
+    applied: bool
+    grad_norm: float
+    refused: str = ""
+
+
+class TenantPolicy:
+    """Tenants' adapters on `base` (module docstring). `base` is wrapped in place by PEFT at the first
+    `add`; `pad_id` fills the padded positions (never scored)."""
+
+    def __init__(self, base: nn.Module, pad_id: int = 0) -> None:
+        self._base = base
+        self.model: peft.PeftModel | None = None
+        self.pad_id = pad_id
+        self.tenants: dict[str, TenantSpec] = {}
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    def add(self, spec: TenantSpec) -> None:
+        """A new tenant: its adapter initialised from `spec.seed` as `attach_lora(seed=...)` would
+        (lora_B zero, so it starts as the base), and its optimizer.
+
+        Raises:
+            TenantError: the name is taken or cannot name a PEFT adapter.
+        """
+        if spec.name in self.tenants:
+            raise TenantError(f"tenant {spec.name!r} exists already")
+        if not spec.name or "." in spec.name:
+            raise TenantError(f"a tenant name must be non-empty and without '.', got {spec.name!r}")
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=list(spec.target_modules) if isinstance(spec.target_modules, tuple)
+                                 else spec.target_modules)
+        torch.manual_seed(spec.seed)
+        if self.model is None:
+            self.model = peft.get_peft_model(self._base, config, adapter_name=spec.name)
+        else:
+            self.model.add_adapter(spec.name, config)
+        for name, param in self.model.named_parameters():  # PEFT trains only its active adapter
+            param.requires_grad_(".lora_" in name)
+        self.tenants[spec.name] = spec
+        self._optimizers[spec.name] = torch.optim.AdamW(self.parameters(spec.name).values())
+
+    def parameters(self, tenant: str) -> dict[str, nn.Parameter]:
+        """`tenant`'s LoRA parameters by PEFT name (`...q_proj.lora_A.<tenant>.weight`)."""
+        self._require(tenant)
+        return {name: param for name, param in self.model.named_parameters()
+                if any(f".{kind}.{tenant}." in name for kind in ("lora_A", "lora_B"))}
+
+    def forward_backward(self, datums: Sequence[Datum], loss: str) -> list[DatumResult]:
+        """One forward and backward over `datums` of any tenants together; each tenant's gradients
+        accumulate (until its `optim_step`) from its own datums' `loss` only.
+
+        Raises:
+            TenantError: an unknown tenant or loss, or a datum without the loss's inputs.
+        """
+        losses_fn, needs = self._check(datums, loss)
+        names = list(dict.fromkeys(datum.tenant for datum in datums))
+        ids_BT, mask_BT, score_BT, adapter_BT = self._layout(datums, names)
+        self.model.train()
+        with routed(self.model, adapter_BT, names):
+            logprobs_BT = teacher_forced_logprobs(self.model, ids_BT, mask_BT, score_mask_BT=score_BT).logprobs_BT
+        total, results = logprobs_BT.new_zeros(()), []
+        for row, datum in enumerate(datums):
+            logprobs_C = logprobs_BT[row, :len(datum.tokens) - 1]
+            inputs = {key: torch.tensor(datum.inputs[key], dtype=torch.float32, device=logprobs_C.device)
+                      for key in needs}
+            datum_loss = losses_fn(logprobs_C, inputs)
+            total = total + datum_loss
+            results.append(DatumResult(datum_loss.item(), logprobs_C.detach().tolist()))
+        total.backward()
+        return results
+
+    def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> StepResult:
+        """Step `tenant`'s adapter with its accumulated gradients, then clear them. Non-finite
+        gradients (a NaN loss) are cleared and the step refused: this tenant's adapter stays as it
+        was, and no other tenant is touched."""
+        params = list(self.parameters(tenant).values())
+        grads = [param.grad for param in params if param.grad is not None]
+        optimizer = self._optimizers[tenant]
+        if not grads:
+            return StepResult(False, 0.0, "no gradients: no forward_backward since its last step")
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            return StepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
+        for group in optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(True, grad_norm)
+
+    def _require(self, tenant: str) -> None:
+        if tenant not in self.tenants:
+            raise TenantError(f"unknown tenant {tenant!r} (tenants: {', '.join(self.tenants) or 'none'})")
+
+    def _check(self, datums: Sequence[Datum], loss: str):
+        if loss not in LOSSES:
+            raise TenantError(f"unknown loss {loss!r} (losses: {', '.join(LOSSES)})")
+        if not datums:
+            raise TenantError("forward_backward needs at least one datum")
+        losses_fn, needs = LOSSES[loss]
+        for index, datum in enumerate(datums):
+            self._require(datum.tenant)
+            if len(datum.tokens) < 2:
+                raise TenantError(f"datum {index}: needs at least 2 tokens (position i scores token i + 1)")
+            for key in needs:
+                if len(datum.inputs.get(key, ())) != len(datum.tokens) - 1:
+                    raise TenantError(f"datum {index}: loss {loss!r} needs {key!r} with one value per scored "
+                                      f"position ({len(datum.tokens) - 1}), got {len(datum.inputs.get(key, ()))}")
+        return losses_fn, needs
+
+    def _layout(self, datums: Sequence[Datum], names: list[str]):
+        """The right-padded batch: ids, attention mask, the positions scored, each token's adapter."""
+        device = next(self.model.parameters()).device
+        rows, width = len(datums), max(len(datum.tokens) for datum in datums)
+        ids_BT = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros((rows, width), dtype=torch.long)
+        score_BT = torch.zeros((rows, width), dtype=torch.bool)
+        adapter_BT = torch.full((rows, width), BASE_ONLY, dtype=torch.long)
+        for row, datum in enumerate(datums):
+            n = len(datum.tokens)
+            ids_BT[row, :n] = torch.tensor(list(datum.tokens))
+            mask_BT[row, :n], score_BT[row, :n - 1], adapter_BT[row, :n] = 1, True, names.index(datum.tenant)
+        return ids_BT.to(device), mask_BT.to(device), score_BT.to(device), adapter_BT.to(device)

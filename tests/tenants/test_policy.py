@@ -1,0 +1,137 @@
+"""Tenants' adapters trained in shared batches on one base (graft.tenants.policy): a routed forward is
+PEFT's own forward for each tenant's tokens, and a tenant trained beside others ends where it would
+alone (fp32, 1e-6 relative), a NaN tenant refused alone."""
+
+import random
+
+import pytest
+import torch
+
+from graft.lora.routing import BASE_ONLY, routed
+from graft.models.loading import load_model
+from graft.tenants.policy import AdamParams, Datum, TenantError, TenantPolicy, TenantSpec
+
+SPECS = [TenantSpec("alice", rank=4, alpha=8, seed=1),
+         TenantSpec("bob", rank=8, alpha=32, target_modules=("q_proj", "v_proj"), seed=2),
+         TenantSpec("carol", rank=2, alpha=2, target_modules=("up_proj", "down_proj", "o_proj"), seed=3)]
+ADAM = {"alice": AdamParams(learning_rate=1e-2), "bob": AdamParams(learning_rate=3e-3, beta2=0.99),
+        "carol": AdamParams(learning_rate=2e-2, weight_decay=0.1)}
+STEPS = 3
+
+
+def _datums(tenant: str, step: int, loss: str, vocab: int = 200) -> list[Datum]:
+    """Two sequences of different lengths for `tenant` at `step`, with the inputs `loss` needs."""
+    rng = random.Random(f"{tenant}-{step}")
+    out = []
+    for length in (rng.randint(5, 9), rng.randint(10, 14)):
+        n = length - 1
+        inputs = {"weights": [float(i >= 2) for i in range(n)], "logprobs": [rng.uniform(-6, -1) for _ in range(n)],
+                  "advantages": [rng.uniform(-1, 1) for _ in range(n)]}
+        out.append(Datum(tenant, [rng.randrange(3, vocab) for _ in range(length)], inputs))
+    return out
+
+
+def _interleaved(datums: list[Datum], rng: random.Random) -> list[Datum]:
+    """The tenants' datums mixed at random positions, each tenant's in its own order (a tenant's
+    datums arrive in the order it sent them; their order within a tenant is the order its gradient
+    sums them in)."""
+    queues: dict[str, list[Datum]] = {}
+    for datum in datums:
+        queues.setdefault(datum.tenant, []).append(datum)
+    order = [tenant for tenant, queue in queues.items() for _ in queue]
+    rng.shuffle(order)
+    return [queues[tenant].pop(0) for tenant in order]
+
+
+def _train(base_dir, specs, steps: int, loss: str, poison: str | None = None) -> TenantPolicy:
+    """`steps` rounds: one forward_backward over every tenant's datums together, then each tenant's step.
+    The `poison` tenant's datums have a NaN weight at its second round."""
+    policy = TenantPolicy(load_model(base_dir))
+    for spec in specs:
+        policy.add(spec)
+    for step in range(steps):
+        datums = [d for spec in specs for d in _datums(spec.name, step, loss)]
+        if poison is not None and step == 1:
+            datums = [Datum(d.tenant, d.tokens, {**d.inputs, "weights": [float("nan")] * (len(d.tokens) - 1)})
+                      if d.tenant == poison else d for d in datums]
+        datums = _interleaved(datums, random.Random(step))
+        policy.forward_backward(datums, loss)
+        for spec in specs:
+            policy.optim_step(spec.name, ADAM[spec.name])
+    return policy
+
+
+def _relative_difference(together: TenantPolicy, alone: TenantPolicy, tenant: str) -> float:
+    mine, theirs = together.parameters(tenant), alone.parameters(tenant)
+    assert mine.keys() == theirs.keys()
+    return max((mine[k] - theirs[k]).norm().item() / theirs[k].norm().item() for k in mine)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling", "ppo"])
+def test_a_tenant_trained_beside_others_ends_where_it_would_alone(base_dir, loss):
+    together = _train(base_dir, SPECS, STEPS, loss)
+    for spec in SPECS:
+        alone = _train(base_dir, [spec], STEPS, loss)
+        assert _relative_difference(together, alone, spec.name) <= 1e-6
+        start = TenantPolicy(load_model(base_dir))
+        start.add(spec)
+        moved = [(p - start.parameters(spec.name)[k]).norm().item() for k, p in together.parameters(spec.name).items()]
+        assert min(moved) > 1e-4  # it did train: every LoRA matrix moved
+
+
+def test_a_tenant_with_a_nan_loss_is_refused_its_step_and_the_others_go_on(base_dir):
+    together = _train(base_dir, SPECS, STEPS, "cross_entropy", poison="bob")
+    for spec in SPECS:
+        if spec.name != "bob":
+            assert _relative_difference(together, _train(base_dir, [spec], STEPS, "cross_entropy"), spec.name) <= 1e-6
+    # bob stepped at rounds 0 and 2 only: as if trained alone on those rounds, and finite.
+    assert all(torch.isfinite(p).all() for p in together.parameters("bob").values())
+    alone = TenantPolicy(load_model(base_dir))
+    alone.add(SPECS[1])
+    for step in (0, 2):
+        alone.forward_backward(_datums("bob", step, "cross_entropy"), "cross_entropy")
+        alone.optim_step("bob", ADAM["bob"])
+    assert _relative_difference(together, alone, "bob") <= 1e-6
+
+
+def test_routed_tokens_get_exactly_peft_s_forward_of_their_adapter(base_dir):
+    policy = TenantPolicy(load_model(base_dir))
+    for spec in SPECS[:2]:
+        policy.add(spec)
+    with torch.no_grad():  # lora_B starts at zero: give both adapters a delta
+        for name, param in policy.model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.05)
+    ids_BT = torch.randint(3, 200, (3, 7))
+    adapter_BT = torch.tensor([[0] * 7, [1] * 7, [0, 0, 0, 1, 1, 1, BASE_ONLY]])  # a row may mix adapters
+    policy.model.eval()
+    with torch.no_grad():
+        with routed(policy.model, adapter_BT, ["alice", "bob"]):
+            mixed = policy.model(input_ids=ids_BT).logits
+        expected = {}
+        for name in ("alice", "bob"):
+            policy.model.set_adapter(name)
+            expected[name] = policy.model(input_ids=ids_BT).logits
+        with policy.model.disable_adapter():
+            expected["base"] = policy.model(input_ids=ids_BT).logits
+    torch.testing.assert_close(mixed[0], expected["alice"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mixed[1], expected["bob"][1], rtol=1e-6, atol=1e-6)
+    # Row 2 mixes: attention spans the row, so only its first token (alice, nothing before it) is
+    # alice's alone; every position differs from a single-adapter forward somewhere in the row.
+    torch.testing.assert_close(mixed[2, 0], expected["alice"][2, 0], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(mixed[2, 3:], expected["alice"][2, 3:])
+    assert not torch.allclose(mixed[2], expected["bob"][2]) and not torch.allclose(mixed[2], expected["base"][2])
+
+
+def test_bad_requests_are_refused_by_name(base_dir):
+    policy = TenantPolicy(load_model(base_dir))
+    policy.add(SPECS[0])
+    with pytest.raises(TenantError, match="exists already"):
+        policy.add(SPECS[0])
+    with pytest.raises(TenantError, match="unknown tenant 'zed'"):
+        policy.forward_backward([Datum("zed", [1, 2, 3], {"weights": [1, 1]})], "cross_entropy")
+    with pytest.raises(TenantError, match="unknown loss 'mse'"):
+        policy.forward_backward([Datum("alice", [1, 2, 3], {"weights": [1, 1]})], "mse")
+    with pytest.raises(TenantError, match="needs 'advantages' with one value per scored position"):
+        policy.forward_backward([Datum("alice", [1, 2, 3], {"logprobs": [0, 0]})], "ppo")
+    assert policy.optim_step("alice").refused.startswith("no gradients")
