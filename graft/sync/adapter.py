@@ -277,17 +277,16 @@ class AdapterSync:
         """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""
         return [n for n in await self._engine.list_adapters() if adapter_version(self._lora_name, n) is not None]
 
-    async def close(self, keep_current: bool = False) -> None:
-        """Unload every version graft loaded, best effort (failures are logged and counted); with
-        `keep_current`, every one but the current version, which the engine goes on serving.
+    async def close(self, keep: int | None = None) -> None:
+        """Unload every version graft loaded, best effort (failures are logged and counted), but
+        `keep` if it is loaded: the engine goes on serving that one, which becomes current.
 
-        Without `keep_current`, `current` becomes None at once; versions with running requests are
+        `current` changes at once (None if nothing is kept); versions with running requests are
         unloaded when those finish, and close returns after that.
         """
         async with self._lock:
-            kept = {self._current} if keep_current else set()
-            if not keep_current:
-                self._current = None
+            kept = {keep} if keep in self._loaded else set()
+            self._current = keep if kept else None
             await self._retire([v for v in self._loaded if v not in kept], set())
             pending = list(self._unloading.values())
             if pending:

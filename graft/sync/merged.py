@@ -48,7 +48,7 @@ class MergedSync:
         """Forget published versions >= `version` on disk (an interrupted run's), before republishing."""
         self.publisher.discard_from(self.kind, version)
 
-    async def close(self, keep_current: bool = False) -> None:
+    async def close(self, keep: int | None = None) -> None:
         """Nothing to unload: the engine keeps serving the last reloaded weights."""
 
     async def sync(self, policy: Policy, version: int, step: int) -> SyncResult:

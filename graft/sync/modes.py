@@ -52,9 +52,9 @@ class SyncMode(Protocol):
         """Forget published versions >= `version` on disk before (re)publishing from `version`."""
         ...
 
-    async def close(self, keep_current: bool = False) -> None:
-        """Leave shared engines clean (unload what this run loaded); `keep_current`: a run that did
-        not finish leaves its last good version served and unloads the rest."""
+    async def close(self, keep: int | None = None) -> None:
+        """Leave shared engines clean (unload what this run loaded), but `keep` served: a run that
+        did not finish leaves its last good version served and unloads the rest."""
         ...
 
 

@@ -58,6 +58,7 @@ class PolicySync:
         weights_dir = weights_dir_of(config, run_dir)
         self.mode: SyncMode = build_sync_mode(config, engine, weights_dir, self.inflight)
         self.served = ServedVersion()
+        self.good_version: int | None = None  # the newest version confirmed (verified, where verify is on)
 
     def request_adapter(self, version: int) -> str | None:
         """The adapter name a rollout of `version` requests (None: the base model's name)."""
@@ -92,6 +93,7 @@ class PolicySync:
                                         requested=self.request_adapter(result.version),
                                         tolerance=self.tolerance, warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start
+        self.good_version = result.version
         return {"sync_mode": result.mode, "sync_transport": result.transport or "disk",
                 "sync_seconds": result.seconds + verify_seconds,
                 "sync_publish_seconds": result.publish_seconds, "sync_apply_seconds": result.apply_seconds,
@@ -104,7 +106,7 @@ class PolicySync:
         """Forget published versions >= `version` on disk, before (re)publishing from `version`."""
         self.mode.discard_from(version)
 
-    async def close(self, keep_current: bool = False) -> None:
-        """Leave the engines clean (adapter mode unloads what graft loaded; `keep_current`: all but
-        the version served now)."""
-        await self.mode.close(keep_current)
+    async def close(self, keep_last_good: bool = False) -> None:
+        """Leave the engines clean (adapter mode unloads what graft loaded); `keep_last_good`: all but
+        the newest version that passed its delivery check (never one that failed it)."""
+        await self.mode.close(self.good_version if keep_last_good else None)

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from graft.config import GraftConfig, save_config
 from graft.evaluation import evaluate
 from graft.lora.attach import count_parameters
-from graft.rollout.engine import RolloutEngine
+from graft.rollout.engine import EngineError, RolloutEngine
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
@@ -114,7 +114,7 @@ class _Leader:
         a user's server does not hold them until the next run with this lora.name (which unloads the
         last one, graft.sync.adapter). Best effort and bounded: the server may be why the run stopped."""
         try:
-            await asyncio.wait_for(self.sync.close(keep_current=True), _EXIT_UNLOAD_TIMEOUT_S)
+            await asyncio.wait_for(self.sync.close(keep_last_good=True), _EXIT_UNLOAD_TIMEOUT_S)
         except (Exception, asyncio.CancelledError) as error:  # the run's own error is the one to report
             logging.getLogger(__name__).warning("older adapter versions may still be loaded: %r", error)
 
@@ -122,7 +122,14 @@ class _Leader:
         """Batch → update → sync → checkpoint, the sync's delivery check left running (its metrics
         row is written when it ends); (reward mean, sync seconds without the check)."""
         policy, sync, train = self.policy, self.sync, self.config.train
-        batch = await producer.get(step)
+        try:
+            batch = await producer.get(step)
+        except EngineError:
+            # The batch is sampled from the version the check is still probing: a failed check says why
+            # its rollout failed better than the rollout's own error (e.g. a load that missed an engine,
+            # where the rollout's request for that version answers "does not exist").
+            await self._checked()
+            raise
         await self._checked()  # the last version's check passed before an update (see below)
         train_metrics = await asyncio.to_thread(policy.learn, batch, step)
         # A sync that changes what running requests compute (a merged reload) must not land in the

@@ -93,8 +93,10 @@ def test_keep_versions_2_keeps_exactly_the_newest_2(tmp_path, peft_model, max_lo
     run(main())
 
 
-def test_closing_with_keep_current_unloads_all_but_the_version_served_now(tmp_path, peft_model):
-    """What a run that stops early leaves on a shared server: its last good version, nothing older."""
+@pytest.mark.parametrize("keep", [3, 2])
+def test_closing_with_a_version_to_keep_unloads_all_but_that_one(tmp_path, peft_model, keep):
+    """What a run that stops early leaves on a shared server: its last good version (the newest, or an
+    older one when the newest failed its delivery check), nothing else."""
     engine = RecordingEngine(others=("someone-else",))
     sync, _, _ = make_sync(engine, tmp_path, keep=3, max_loras=4)
 
@@ -102,10 +104,11 @@ def test_closing_with_keep_current_unloads_all_but_the_version_served_now(tmp_pa
         for v in range(1, 4):
             await sync.sync(peft_model, v, step=v)
         assert engine.graft_adapters() == names([1, 2, 3])
-        await sync.close(keep_current=True)
-        assert engine.graft_adapters() == names([3]) and current_adapter(sync) == "graft-v3"
-        assert sync.loaded == [3] and "someone-else" in engine.adapters
-        await sync.close()
+        await sync.close(keep=keep)
+        assert engine.graft_adapters() == names([keep]) and current_adapter(sync) == f"graft-v{keep}"
+        assert sync.loaded == [keep] and "someone-else" in engine.adapters
+        await sync.close(keep=9)  # not loaded: nothing to keep
+        assert engine.graft_adapters() == names([]) and current_adapter(sync) is None
         assert engine.graft_adapters() == names([]) and current_adapter(sync) is None
 
     run(main())
