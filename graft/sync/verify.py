@@ -15,9 +15,9 @@ A failure names its likely cause where the engine's answer shows one: the engine
 compared with what the usual ways of failing to deliver an adapter would serve, each a variant of
 the trainer's model teacher-forced the same way (`suspects`): the base model alone (the adapter
 loaded but never applied, or never requested), the adapter with its scaling applied twice (an engine
-that scales lora_B in place and again after a reload), and the adapter without one target module (a
-module that never reached the engine). If none matches, the engine answers a second prompt that
-shares no prefix with the probe: if that one agrees, the probe was served from stale prefix-cache
+that scales lora_B in place and again after a reload: the scaling squared), and the adapter without one target module (a
+module that never reached the engine). If none matches, the engine answers the probe reversed,
+which shares no prefix with it: if that one agrees, the probe was served from stale prefix-cache
 blocks (a version reloaded under the same name and path keeps its predecessor's KV, vLLM #42125).
 Else a gap of bf16 rounding names the dtype.
 """
@@ -44,10 +44,15 @@ from graft.rollout.engine import (
 from graft.rollout.pool import EnginePool, engine_address
 from graft.sync.source import ModelSource, Policy, PolicySource, policy_source
 
-# A fixed probe: token ids every tokenizer of a real model has; long enough to cross a KV block.
+# A fixed probe: token ids every tokenizer of a real model has; long enough to cross a 16-token KV
+# block (vLLM's default on CUDA), so a stale prefix cache can serve part of it there.
 PROBE_PROMPT = tuple(range(3, 3 + 24))
-# Asked only after a failed probe: shares no prefix with it, so no cached block can serve it.
-UNCACHED_PROBE = tuple(reversed(PROBE_PROMPT))
+# `graft verify`'s probe, for servers graft does not drive: it also fills one 128-token block (vLLM-CPU's),
+# whose KV a same-name, same-path reload leaves stale (measured: the 24-token probe passed at 4.8e-7
+# beside a 136-token prompt served off by 0.167 after such a reload on vLLM-CPU).
+BLOCK_FILLING_PROBE = tuple(range(3, 3 + 136))
+STALE_CACHE = ("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
+               "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
 PROBE_NEW_TOKENS = 8
 # fp32 engines match the trainer to ~1e-6 (measured 5e-7 on vLLM-CPU); bf16 engines round weights
 # and activations, which moves log-probs by up to a few 1e-2 on the tiny models.
@@ -111,27 +116,36 @@ async def _verify_one(engine: RolloutEngine, source: PolicySource, adapter: str 
     if requested is not None and requested != adapter and requested not in listed:
         raise DeliveryError(f"rollouts request adapter {requested!r}, which the engine does not serve (the sync "
                             f"loaded {adapter!r}): requests never reach the new version", address=address)
-    completion, gap = await _probe(engine, source, requested, probe)
+    completion, gap = await probe_gap(engine, source, requested, probe)
     if gap > tolerance:
-        cause = likely_cause(source, probe, completion, gap, tolerance)
-        if not cause and (await _probe(engine, source, requested, UNCACHED_PROBE))[1] <= tolerance:
-            cause = ("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
-                     "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
+        cause = await diagnosis(engine, source, requested, probe, completion, gap, tolerance)
         served = f"adapter {requested!r}" if requested else "the base model name"
         aside = f" (the sync loaded {adapter!r})" if requested != adapter else ""
         raise DeliveryError(f"engine log-probs differ from the trainer's by {gap:.3g} (tolerance {tolerance:g}) "
                             f"on the probe prompt, serving {served}{aside}: the engine is not serving the "
-                            f"published policy; {cause or dtype_hint(gap, tolerance) or 'no known cause matches'}",
+                            f"published policy; {cause or 'no known cause matches'}",
                             address=address, gap=gap)
     return gap
 
 
-async def _probe(engine: RolloutEngine, source: PolicySource, requested: str | None, probe: Sequence[int]
-                 ) -> tuple[Completion, float]:
-    """The engine's greedy completion of `probe` under `requested`, and its gap to the trainer's log-probs."""
+async def probe_gap(engine: RolloutEngine, source: PolicySource, adapter: str | None, probe: Sequence[int]
+                    ) -> tuple[Completion, float]:
+    """The engine's greedy completion of `probe` under `adapter` (None: the base model's name), and its
+    gap to `source`'s log-probs of the same tokens."""
     params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
-    completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=requested))[0][0]
+    completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
     return completion, logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
+
+
+async def diagnosis(engine: RolloutEngine, source: PolicySource, adapter: str | None, probe: Sequence[int],
+                    completion: Completion, gap: float, tolerance: float) -> str:
+    """The likely cause of a failed probe (module docstring): a suspect that matches; else stale
+    prefix-cache blocks, when the same probe reversed (no prefix in common, so nothing cached) agrees;
+    else the dtype hint; "" when none applies."""
+    cause = likely_cause(source, probe, completion, gap, tolerance)
+    if not cause and (await probe_gap(engine, source, adapter, tuple(reversed(probe))))[1] <= tolerance:
+        cause = STALE_CACHE
+    return cause or dtype_hint(gap, tolerance)
 
 
 def logprob_gap(served: Sequence[float], local: Sequence[float]) -> float:
@@ -165,13 +179,15 @@ def dtype_hint(gap: float, tolerance: float) -> str:
 
 
 @contextlib.contextmanager
-def _scaled(model: peft.PeftModel, factor: float, where: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
-    """The adapter's LoRA scaling times `factor` in the modules `where(name)` selects, for the body."""
+def _scaled(model: peft.PeftModel, factor: float | None, where: Callable[[str], bool] = lambda name: True
+            ) -> Iterator[None]:
+    """The adapter's LoRA scaling times `factor` (None: times itself, squared) in the modules `where(name)`
+    selects, for the body."""
     layers = [module for name, module in model.named_modules() if isinstance(module, LoraLayer) and where(name)]
     saved = [module.scaling[ADAPTER_NAME] for module in layers]
     try:
         for module in layers:
-            module.scaling[ADAPTER_NAME] *= factor
+            module.scaling[ADAPTER_NAME] *= module.scaling[ADAPTER_NAME] if factor is None else factor
         yield
     finally:
         for module, scaling in zip(layers, saved):
@@ -189,7 +205,7 @@ def suspects(model: peft.PeftModel) -> list[tuple[str, Callable[[], contextlib.A
     found = [("the server answers with the base model: the adapter is not applied (loaded but never requested, "
               "or its modules matched nothing)", lambda: adapter_disabled(model)),
              ("the server applies the adapter's scaling twice (lora_B scaled in place, then again)",
-              lambda: _scaled(model, 2.0))]
+              lambda: _scaled(model, None))]
     for kind in _target_kinds(model):
         found.append((f"the server applies the adapter without its {kind} LoRA (that module never reached it)",
                       lambda kind=kind: _scaled(model, 0.0, lambda name: name.rsplit(".", 1)[-1] == kind)))

@@ -24,8 +24,17 @@ from graft.models.loading import load_model
 from graft.rollout.engine import Completion, GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient, completion_payload
 from graft.rollout.vllm.launcher import SERVER_MODULE, VllmServer, VllmServerConfig
+from graft.sync.served_adapter import verify_served_adapter
 from graft.sync.source import policy_source
-from graft.sync.verify import PROBE_PROMPT, DeliveryError, likely_cause, logprob_gap, verify_delivery
+from graft.sync.verify import (
+    BLOCK_FILLING_PROBE,
+    PROBE_PROMPT,
+    STALE_CACHE,
+    DeliveryError,
+    likely_cause,
+    logprob_gap,
+    verify_delivery,
+)
 from graft.train.metrics import read_jsonl
 from tests.helpers import live_group_members, trained_like_peft_model
 from tests.sync.common import FP32_TOLERANCE, run
@@ -33,9 +42,6 @@ from tests.sync.faults.faulty_vllm_entry import FAULT_ENV, FAULTS, FAULTY_PREFIX
 
 REPO = Path(__file__).parents[3]
 MAX_LORAS = 4
-# One full KV block of vLLM-CPU's default size (128 tokens) and a few more: a prompt whose KV the
-# prefix cache keeps (ids < the tiny vocabulary's 1024).
-BLOCK_FILLING_PROBE = tuple(range(3, 3 + 136))
 DELIVERY_ERROR = (r"{address}: engine log-probs differ from the trainer's by (?P<gap>\S+) \(tolerance 0\.001\) on "
                   r"the probe prompt, serving {served}: the engine is not serving the published policy; {cause}")
 
@@ -228,9 +234,9 @@ def test_a_same_name_same_path_reload_served_from_stale_prefix_cache_is_caught_w
         faulty_server, tiny_model_dirs, tmp_path):
     """vLLM #42125, vLLM's own behaviour (no fault): the prefix-cache key is (adapter name, path), so
     after an in-place reload the blocks computed with the previous weights serve the new version.
-    The check, with a probe that fills a KV block, fails and names the stale cache as the cause.
-    Only full blocks are cached: the default probe (24 tokens) fills none of vLLM-CPU's 128-token
-    blocks, hence the longer probe here."""
+    The check, with a probe that fills a KV block, fails and names the stale cache as the cause; so
+    does `graft verify`, whose probe fills one by default. Only full blocks are cached: a run's probe
+    (24 tokens) fills none of vLLM-CPU's 128-token blocks (and a run never reloads in place)."""
     base = tiny_model_dirs["llama"]
     first, second = trained_like_peft_model(base, seed=11), trained_like_peft_model(base, seed=12)
     path = tmp_path / "policy"
@@ -247,15 +253,16 @@ def test_a_same_name_same_path_reload_served_from_stale_prefix_cache_is_caught_w
                 with pytest.raises(DeliveryError) as error:
                     await verify_delivery(client, second, adapter="reloaded", tolerance=FP32_TOLERANCE,
                                           probe=BLOCK_FILLING_PROBE)
+                verdict = await verify_served_adapter(client, second, "reloaded", FP32_TOLERANCE)
             finally:
                 await client.unload_adapter("reloaded")
-            return error.value
+            return error.value, verdict
 
-    error = run(scenario())
-    cause = re.escape("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
-                      "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
-    assert _delivery_error(faulty_server.url, "adapter 'reloaded'", cause).fullmatch(str(error)), str(error)
+    error, verdict = run(scenario())
+    assert _delivery_error(faulty_server.url, "adapter 'reloaded'", re.escape(STALE_CACHE)).fullmatch(str(error)), \
+        str(error)
     assert error.gap > FP32_TOLERANCE
+    assert not verdict.passed and verdict.cause == STALE_CACHE and verdict.gap > FP32_TOLERANCE
 
 
 async def _prompt_logprobs(url: str, adapter: str, prompt: tuple[int, ...]) -> list[float]:
