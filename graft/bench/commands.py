@@ -51,6 +51,9 @@ BENCHES = {
     "verify": Bench("graft.bench.verify_cost", "what the delivery check after every sync costs: quickstart step "
                                                "seconds with sync.verify on and off (runs alternating on one "
                                                "server), and one check's seconds at the Qwen2.5-0.5B shape."),
+    "tenants": Bench("graft.bench.tenants", "tenants' LoRA adapters trained in shared batches on one base vs one "
+                                            "tenant alone: trained tokens/s (aggregate_over_single), how far each "
+                                            "tenant ends from its solo run (isolation_max_rel_diff), memory added."),
     "update": Bench("graft.bench.update", "one GRPO update (LoRA r16 fp32, one optimizer step) at the Qwen2.5-0.5B "
                                           "shape on this machine's device (CUDA or CPU), graft vs TRL GRPOTrainer + "
                                           "PEFT; best of --repeats after a warm-up: seconds, CPU seconds, tokens/s, "

@@ -1,0 +1,138 @@
+"""`graft bench tenants`: many tenants trained in shared batches on one base, against one tenant alone.
+
+A random Qwen2 base (`--hidden`, `--layers`; the project's tokenizer size), fp32. Every tenant gets
+its own LoRA (rank 8 on all linear layers, its own seed) and the same amount of work per round:
+`--datums` supervised sequences of `--tokens` tokens (cross-entropy, Tinker's loss). "alone" trains
+one tenant, one `forward_backward` + `optim_step` per round; "together" trains `--tenants` tenants,
+one shared `forward_backward` over all their datums + one `optim_step` each per round. Rounds
+alternate between the two after a warm-up; trained tokens per second are medians over rounds.
+
+Also measured: how far each tenant trained together ends from the same tenant trained alone on the
+same datums (`isolation_max_rel_diff`, the largest relative norm difference of any LoRA matrix), and
+the memory the tenants add (their adapters and optimizer state) against the base's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from graft.models.loading import load_model
+from graft.models.tiny import build_tiny_model
+from graft.tenants.policy import AdamParams, Datum, TenantPolicy, TenantSpec
+
+ADAM = AdamParams(learning_rate=1e-3)
+ISOLATION_STEPS = 3
+
+
+def _datums(tenant: str, round_: int, count: int, tokens: int, vocab: int) -> list[Datum]:
+    rng = random.Random(f"{tenant}-{round_}")
+    return [Datum(tenant, [rng.randrange(3, vocab) for _ in range(tokens)], {"weights": [1.0] * (tokens - 1)})
+            for _ in range(count)]
+
+
+def _policy(base: Path, tenants: int) -> TenantPolicy:
+    policy = TenantPolicy(load_model(base))
+    for index in range(tenants):
+        policy.add(TenantSpec(f"t{index}", rank=8, alpha=16, seed=index))
+    return policy
+
+
+def _round(policy: TenantPolicy, round_: int, datums: int, tokens: int, vocab: int) -> float:
+    """One round for every tenant of `policy`; seconds."""
+    batch = [d for name in policy.tenants for d in _datums(name, round_, datums, tokens, vocab)]
+    start = time.perf_counter()
+    policy.forward_backward(batch, "cross_entropy")
+    for name in policy.tenants:
+        policy.optim_step(name, ADAM)
+    return time.perf_counter() - start
+
+
+def _isolation(base: Path, tenants: int, datums: int, tokens: int, vocab: int) -> float:
+    """The largest relative difference of any tenant's LoRA matrix, trained together vs alone."""
+    together = _policy(base, tenants)
+    for round_ in range(ISOLATION_STEPS):
+        _round(together, round_, datums, tokens, vocab)
+    worst = 0.0
+    for index in range(tenants):
+        alone = TenantPolicy(load_model(base))
+        alone.add(TenantSpec(f"t{index}", rank=8, alpha=16, seed=index))
+        for round_ in range(ISOLATION_STEPS):
+            _round(alone, round_, datums, tokens, vocab)
+        mine, theirs = together.parameters(f"t{index}"), alone.parameters(f"t{index}")
+        worst = max(worst, *((mine[k] - theirs[k]).norm().item() / theirs[k].norm().item() for k in mine))
+    return worst
+
+
+def _state_bytes(policy: TenantPolicy) -> tuple[int, int]:
+    """(the base's bytes, every tenant's adapter + AdamW state bytes: weights, two moments)."""
+    adapters = sum(p.numel() * p.element_size() for name in policy.tenants for p in policy.parameters(name).values())
+    base = sum(p.numel() * p.element_size() for n, p in policy.model.named_parameters() if ".lora_" not in n)
+    return base, 3 * adapters
+
+
+def run_tenants_bench(tenants: int = 8, hidden: int = 256, layers: int = 4, datums: int = 4, tokens: int = 64,
+                      rounds: int = 5) -> dict:
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="graft-bench-tenants-") as tmp:
+        base = build_tiny_model(Path(tmp) / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+        vocab = load_model(base).config.vocab_size
+        alone, together = _policy(base, 1), _policy(base, tenants)
+        seconds = {"alone": [], "together": []}
+        for round_ in range(rounds + 1):  # round 0 warms up, not counted
+            console.print(f"round {round_} of {rounds}: 1 tenant, then {tenants} together")
+            for side, policy in (("alone", alone), ("together", together)):
+                elapsed = _round(policy, round_, datums, tokens, vocab)
+                seconds[side] += [elapsed] if round_ else []
+        base_bytes, tenant_bytes = _state_bytes(together)
+        console.print(f"isolation: {tenants} tenants together vs each alone, {ISOLATION_STEPS} steps")
+        isolation = _isolation(base, tenants, datums, tokens, vocab)
+    per_round = datums * tokens
+    alone_rate = per_round / statistics.median(seconds["alone"])
+    together_rate = tenants * per_round / statistics.median(seconds["together"])
+    return {"tenants": tenants, "hidden": hidden, "layers": layers, "datums": datums, "tokens": tokens,
+            "rounds": rounds, "threads": torch.get_num_threads(), "alone_tokens_per_s": alone_rate,
+            "together_tokens_per_s": together_rate, "aggregate_over_single": together_rate / alone_rate,
+            "isolation_max_rel_diff": isolation, "base_bytes": base_bytes, "tenant_state_bytes": tenant_bytes}
+
+
+def print_tenants_report(result: dict) -> None:
+    table = Table(title=f"{result['tenants']} tenants on one base (hidden {result['hidden']}, {result['layers']} "
+                        f"layers, fp32), {result['datums']} x {result['tokens']} tokens per tenant per round, "
+                        f"medians of {result['rounds']} rounds")
+    for column in ("1 tenant alone", f"{result['tenants']} together", "aggregate / alone", "isolation (max rel)",
+                   "tenants' state / base"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{result['alone_tokens_per_s']:.0f} tok/s", f"{result['together_tokens_per_s']:.0f} tok/s",
+                  f"{result['aggregate_over_single']:.2f}x", f"{result['isolation_max_rel_diff']:.1e}",
+                  f"{result['tenant_state_bytes'] / 2**20:.1f} / {result['base_bytes'] / 2**20:.1f} MiB")
+    Console().print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tenants", type=int, default=8, help="tenants trained together (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=256, help="the random base's hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="its layers (default %(default)s)")
+    parser.add_argument("--datums", type=int, default=4, help="sequences per tenant per round (default %(default)s)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="counted rounds per side (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench tenants`: measure, print the table, return what --json writes."""
+    for flag in ("tenants", "hidden", "layers", "datums", "rounds"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"graft: error: --{flag} must be at least 1")
+    if args.tokens < 2:
+        raise SystemExit("graft: error: --tokens must be at least 2 (position i scores token i + 1)")
+    result = run_tenants_bench(args.tenants, args.hidden, args.layers, args.datums, args.tokens, args.rounds)
+    print_tenants_report(result)
+    return result
