@@ -83,7 +83,10 @@ class _Reader:
 
     async def _read(self) -> None:
         async for line in self.process.stdout:
-            index, at, tokens = line.split()
+            fields = line.split()
+            if len(fields) != 3:  # the line it was writing when `stop` killed it
+                continue
+            index, at, tokens = fields
             self.chunks[int(index)].append((float(at), int(tokens)))
 
     async def wait_for(self, counts: list[int]) -> None:
