@@ -83,13 +83,14 @@ class PolicySync:
         check_finite_policy(source, version)
         return AppliedVersion(source, await self.mode.sync(source, version, step))
 
-    async def confirm(self, applied: AppliedVersion) -> dict:
-        """The second half: verify delivery of what `apply` applied; the step's sync metrics
-        (`sync_seconds` counts publish, apply and verify, wherever the verify ran)."""
+    async def confirm(self, applied: AppliedVersion, source: PolicySource | None = None) -> dict:
+        """The second half: verify delivery of what `apply` applied, reading the trainer's side from
+        `source` (default the applied one; a `SnapshotSource` once the model may move on); the step's
+        sync metrics (`sync_seconds` counts publish, apply and verify, wherever the verify ran)."""
         result, gap, verify_seconds = applied.result, None, 0.0
         if self.verify:
             start = time.perf_counter()
-            gap = await verify_delivery(self.engine, applied.source, adapter=result.adapter,
+            gap = await verify_delivery(self.engine, source or applied.source, adapter=result.adapter,
                                         requested=self.request_adapter(result.version),
                                         tolerance=self.tolerance, warn_only=self.warn_only)
             verify_seconds = time.perf_counter() - start

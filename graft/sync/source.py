@@ -12,8 +12,9 @@ ranks join. Sync code never asks which one it has.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+import functools
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +23,8 @@ from graft.lora.adapter_io import AdapterWeights, adapter_layout, adapter_weight
 from graft.lora.attach import lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.rl.logprobs import sequence_logprobs
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -50,6 +53,11 @@ class PolicySource(Protocol):
         """Whether the logits of one eval-mode forward over `probe` are all finite."""
         ...
 
+    async def read(self, read: Callable[[], T]) -> T:
+        """`read()` (a function of this source's reads) where this source's policy can be read: here and
+        now for a model held as it is; `SnapshotSource` hands it to the thread that owns the model."""
+        ...
+
 
 Policy = nn.Module | PolicySource
 """What the sync entry points accept: a model in this process, or a source."""
@@ -76,6 +84,42 @@ class ModelSource:
 
     def probe_logits_finite(self, probe: Sequence[int]) -> bool:
         return probe_logits_finite(self.model, probe)
+
+    async def read(self, read: Callable[[], T]) -> T:
+        return read()
+
+
+class SnapshotSource(ModelSource):
+    """A one-process policy as it was when a version was published, read after the model moved on.
+
+    Why: the delivery check of version N reads the trainer's log-probs once the engine has answered
+    its probe, and the next update may be running by then. Waiting for the check before that update
+    cost the quickstart's overlapped step 19% (`graft bench verify`); instead every read of this
+    source is one job handed to `run` (the trainer's model thread, which runs one job at a time, so
+    never beside an update or a checkpoint), with version N's LoRA values copied into the model for
+    the job and the model's own copied back after it (bit-exact both ways; the optimizer's state and
+    the gradients are not touched).
+    """
+
+    def __init__(self, model: nn.Module, run: Callable[[Callable[[], T]], Awaitable[T]]) -> None:
+        super().__init__(model)
+        self._run = run
+        self._lora = {name: tensor.clone() for name, tensor in adapter_layout(model).lora_tensors().items()}
+
+    async def read(self, read: Callable[[], T]) -> T:
+        return await self._run(functools.partial(self._as_published, read))
+
+    def _as_published(self, read: Callable[[], T]) -> T:
+        live = adapter_layout(self.model).lora_tensors()
+        now = {name: tensor.clone() for name, tensor in live.items()}
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(self._lora[name])
+            try:
+                return read()
+            finally:
+                for name, tensor in live.items():
+                    tensor.copy_(now[name])
 
 
 def policy_source(policy: Policy) -> PolicySource:

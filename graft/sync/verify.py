@@ -134,7 +134,8 @@ async def probe_gap(engine: RolloutEngine, source: PolicySource, adapter: str | 
     gap to `source`'s log-probs of the same tokens."""
     params = SamplingParams(temperature=0, max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True)
     completion = (await engine.generate([GenerateRequest(tuple(probe), params)], adapter=adapter))[0][0]
-    return completion, logprob_gap(completion.logprobs, source.logprobs(probe, completion.token_ids))
+    local = await source.read(lambda: source.logprobs(probe, completion.token_ids))
+    return completion, logprob_gap(completion.logprobs, local)
 
 
 async def diagnosis(engine: RolloutEngine, source: PolicySource, adapter: str | None, probe: Sequence[int],
@@ -142,7 +143,7 @@ async def diagnosis(engine: RolloutEngine, source: PolicySource, adapter: str | 
     """The likely cause of a failed probe (module docstring): a suspect that matches; else stale
     prefix-cache blocks, when the same probe reversed (no prefix in common, so nothing cached) agrees;
     else the dtype hint; "" when none applies."""
-    cause = likely_cause(source, probe, completion, gap, tolerance)
+    cause = await source.read(lambda: likely_cause(source, probe, completion, gap, tolerance))
     if not cause and (await probe_gap(engine, source, adapter, tuple(reversed(probe))))[1] <= tolerance:
         cause = STALE_CACHE
     return cause or dtype_hint(gap, tolerance)

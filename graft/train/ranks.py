@@ -142,6 +142,11 @@ class ShardedSource:
         announce(Op.MERGED, _DTYPES.index(dtype))
         yield from iter_merged_weights(self.model, dtype, gather=full_tensor)
 
+    async def read(self, read):
+        """Here and now: the ranks' collectives follow rank 0's calls (the trainer waits for the check
+        before the next update in a sharded run)."""
+        return read()
+
     def logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
         announce(Op.LOGPROBS, len(prompt), len(completion))
         return _logprobs(self.model, [*prompt, *completion], len(prompt), len(completion))

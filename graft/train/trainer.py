@@ -17,6 +17,7 @@ directory; the other ranks take their slice of each batch (see `graft.train.dist
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -37,6 +39,7 @@ from graft.rollout.engine import EngineError, RolloutEngine
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
+from graft.sync.source import SnapshotSource
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
 from graft.train.cpu_tuning import leave_a_core_to_local_vllm, return_freed_memory_to_the_os, returns_freed_memory
 from graft.train.dist import init_distributed, shutdown_distributed
@@ -51,6 +54,8 @@ __all__ = ["ResumeError", "RunDirError", "train"]
 # How long a run that stops early spends unloading its older adapter versions (a few HTTP calls).
 _EXIT_UNLOAD_TIMEOUT_S = 10.0
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class _Checking:
@@ -59,6 +64,7 @@ class _Checking:
 
     check: asyncio.Future
     row: Callable[[dict], dict]
+    version: int
 
 
 class _Leader:
@@ -70,6 +76,12 @@ class _Leader:
         self.sync = PolicySync(config, engine, run_dir)
         self.batches = BatchMaker(config, engine, self.sync, task)
         self._checking: _Checking | None = None
+        # Every job that reads or changes the model (updates, checkpoints, a check's snapshot reads)
+        # runs here, one at a time.
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graft-model")
+
+    async def _on_model_thread(self, job: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, job)
 
     async def run(self) -> dict:
         config, train, policy, sync = self.config, self.config.train, self.policy, self.sync
@@ -105,6 +117,7 @@ class _Leader:
                 self._checking.check.add_done_callback(lambda check: check.cancelled() or check.exception())
                 self._checking.check.cancel()
             self.log.close()
+            self._model_thread.shutdown(wait=True)  # a check's snapshot read restores the model before we return
         return {"accuracy_before": self.log.accuracy_at(0), "accuracy_after": self.log.accuracy_at(train.steps),
                 "steps": train.steps, "resumed_from": first_step - 1}
 
@@ -130,41 +143,43 @@ class _Leader:
             # where the rollout's request for that version answers "does not exist").
             await self._checked()
             raise
-        await self._checked()  # the last version's check passed before an update (see below)
-        train_metrics = await asyncio.to_thread(policy.learn, batch, step)
+        await self._checked(through=batch.version)  # a batch is learned from once its version passed (below)
+        train_metrics = await self._on_model_thread(functools.partial(policy.learn, batch, step))
+        await self._checked()  # its trainer side ran right after that update: the sync reads the live model
         # A sync that changes what running requests compute (a merged reload) must not land in the
         # middle of a batch: its samples would mix two versions.
         lock = producer.engine_lock if sync.mode.needs_engine_lock else contextlib.nullcontext()
         async with lock:
             applied = await sync.apply(policy.source, step, step=step)
-        # On-policy, the next rollout starts on the new version now and the delivery check runs
-        # beside it, while the trainer waits for that batch anyway: the probe shares the engine's
-        # steps with the rollout (measured at 25M parameters: verifying first took 0.27 s of a
-        # 0.30 s sync, 8 probe tokens decoded alone). A batch of this version is trained on only
-        # once the check has passed (`_checked` before `learn`). Overlapped, the check ends first:
-        # the next update would change the policy its forward reads, and the probe would queue
-        # behind the next batch (measured at 25M: 3.6 s of a 16.7 s step). Sharded, its forward is
-        # a collective, so it ends before the checkpoint's begin.
-        check = asyncio.ensure_future(sync.confirm(applied))
-        if self.config.rollout.max_staleness > 0 or policy.ctx.active:
+        # The next rollout starts on the new version now and the delivery check runs beside it (the
+        # probe shares the engine's steps with the rollout; measured at 25M parameters: verifying
+        # first took 0.27 s of a 0.30 s sync). A batch of this version is learned from only once the
+        # check has passed (`_checked(through=...)` before `learn`); an older batch (overlapped runs)
+        # is learned from meanwhile: the check reads this version's weights from a snapshot, on the
+        # model thread between updates (`SnapshotSource`; waiting for it cost the overlapped
+        # quickstart step 19%, `graft bench verify`). Sharded, its forward is a collective, so it
+        # ends before the checkpoint's begin.
+        snapshot = None if policy.ctx.active else SnapshotSource(policy.model, self._on_model_thread)
+        check = asyncio.ensure_future(sync.confirm(applied, snapshot))
+        if policy.ctx.active:
             await asyncio.wait([check])
         await sync.served.release(step)
-        await asyncio.to_thread(policy.maybe_checkpoint, step)
+        await self._on_model_thread(functools.partial(policy.maybe_checkpoint, step))
         now = time.perf_counter()
         row = functools.partial(_row, step, batch, train_metrics, dropped=producer.dropped,
                                 step_seconds=now - self._last)
-        self._checking, self._last = _Checking(check, row), now
+        self._checking, self._last = _Checking(check, row, step), now
         if train.eval_every and step % train.eval_every == 0 and step != train.steps:
             await self._checked()
             self.log.add_eval(step, await self._evaluate())
             self._last = time.perf_counter()  # step_seconds measure training, not evaluation
         return batch.rewards_PG.mean().item(), applied.result.seconds
 
-    async def _checked(self) -> None:
-        """Wait for the running delivery check, if any, and write its step's metrics row; a failed
-        check raises here."""
+    async def _checked(self, through: int | None = None) -> None:
+        """Wait for the running delivery check, if any (with `through`: only if it checks a version up
+        to that one), and write its step's metrics row; a failed check raises here."""
         pending = self._checking
-        if pending is None:
+        if pending is None or (through is not None and pending.version > through):
             return
         self._checking = None
         self.log.write(pending.row(await pending.check))

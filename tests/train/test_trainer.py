@@ -307,17 +307,28 @@ def test_runs_sharing_a_sync_dir_never_discard_each_others_versions(base_dir, tm
             f"adapter-v00000{v}.ready" for v in (0, 1, 2)]
 
 
+def _assert_no_batch_before_its_check(events: list[tuple]) -> None:
+    """Every update's batch comes from a version whose check had passed when the update began."""
+    checked: set[int] = set()
+    for event in events:
+        if event[0] == "checked":
+            checked.add(event[1])
+        else:
+            assert event[2] in checked, (event, sorted(checked))
+
+
 def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its_batch(base_dir, tmp_path,
                                                                                        monkeypatch):
     """On-policy, the check of version v runs while step v+1's batch is sampled from v (its probe
-    shares the engine's steps); overlapped, it ends first; a failed check stops the run before a
-    batch of its version is trained on."""
+    shares the engine's steps); overlapped, it may run beside the next update, but no batch is learned
+    from before its version's check passed; a failed check stops the run before a batch of its
+    version is trained on."""
     from graft.sync import policy_sync
     from graft.sync.verify import DeliveryError
     from graft.train import batch_maker
     from graft.train.policy import PolicyState
 
-    sampling, learned, checked_before = {}, [], []
+    sampling, learned, checked_before, events = {}, [], [], []
     real_build, real_learn = batch_maker.build_rollout_batch, PolicyState.learn
 
     async def build(*args, version, **kwargs):
@@ -326,6 +337,7 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
 
     def learn(self, batch, step):
         learned.append(step)
+        events.append(("learn", step, batch.version))
         return real_learn(self, batch, step)
 
     async def check(engine, source, *, adapter, requested, tolerance, warn_only):
@@ -333,6 +345,7 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
         if not overlapped and 1 <= version < 3:  # a version a later step samples from
             await asyncio.wait_for(sampling.setdefault(version, asyncio.Event()).wait(), timeout=30)
         checked_before.append((version, list(learned), version in sampling))
+        events.append(("checked", version))
         if version == failing:
             raise DeliveryError("probe gap", address="reference")
         return 0.0
@@ -345,14 +358,14 @@ def test_the_next_rollout_starts_beside_the_delivery_check_which_still_gates_its
     asyncio.run(train(load_config(None, overrides), tmp_path / "ok"))
     assert learned == [1, 2, 3] and [r["policy_version"] for r in _rows(tmp_path / "ok")] == [1, 2, 3]
 
-    # On-policy every check ended before the next update; overlapped too, and before the version was
-    # sampled from (the update would change the policy the check reads; the probe would queue).
+    # On-policy every check ended before the next update.
     assert [(v, done) for v, done, _ in checked_before[1:]] == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
-    overlapped, learned[:], checked_before[:] = True, [], []
+    _assert_no_batch_before_its_check(events)
+    overlapped, learned[:], checked_before[:], events[:] = True, [], [], []
     sampling.clear()
     asyncio.run(train(load_config(None, [*overrides, "rollout.max_staleness=1"]), tmp_path / "overlapped"))
     assert learned == [1, 2, 3] and [r["step"] for r in _rows(tmp_path / "overlapped")] == [1, 2, 3]
-    assert checked_before[1:] == [(1, [1], False), (2, [1, 2], False), (3, [1, 2, 3], False)]
+    _assert_no_batch_before_its_check(events)
     overlapped = False
 
     failing, learned[:] = 1, []
