@@ -90,7 +90,7 @@ def _layout(tensors: dict[str, torch.Tensor], config: dict, *, dtype: torch.dtyp
         stored = dtype or tensor.dtype
         if stored not in _DTYPES:
             raise BlobError(f"{key}: an adapter blob carries {sorted(_DTYPES.values())}, not {stored}")
-        size = tensor.numel() * torch.empty((), dtype=stored).element_size()
+        size = tensor.numel() * stored.itemsize
         header[key] = {"dtype": _DTYPES[stored], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         placed.append(_Placed(tensor, offset, stored, scaling if ".lora_B." in key else 1.0))
         offset += size
