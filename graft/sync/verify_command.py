@@ -42,7 +42,7 @@ def add_verify_command(sub) -> None:
                                    "prompt greedily under --name, the adapter applied to --base here teacher-forces "
                                    "the answer, and the largest log-prob gap decides. Exit 0: served exactly; 1: "
                                    "not (one line: the gap and the likely cause, e.g. base model served, scaling "
-                                   "applied twice, a module missing); 2: bad input.")
+                                   "applied twice, a module missing, a stale prefix cache); 2: bad input.")
     p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--base", required=True, help="the base model's HF directory (what the server serves)")
     p.add_argument("--adapter", required=True, metavar="DIR", help="the PEFT LoRA adapter directory")
