@@ -140,7 +140,9 @@ def test_staleness_one_never_unloads_a_version_an_episode_is_using(vllm_server, 
                 checked += 1
     assert checked > 0
     loaded = [sum(adapter_version("graft", n) is not None for n in names) for _, _, names in poller.polls]
-    assert max(loaded) <= 3  # keep_versions (auto = max_staleness + 2); the listing may show up to max_loras
+    # keep_versions (auto = max_staleness + 2) = 3, and one more for a moment while a new version loads
+    # into the free slot before the oldest leaves: never more than max_loras (4).
+    assert max(loaded) <= 4
 
 
 def test_graft_eval_of_an_environment_reports_its_greedy_episodes_mean_reward(base_dir, tmp_path, monkeypatch,

@@ -61,6 +61,9 @@ def routed(model: nn.Module, adapter_N: Tensor, names: Sequence[str]) -> Iterato
     flattened in the input's order ([B, T] -> B * T)."""
     route = Route(adapter_N, names)
     layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    if merged := [name for layer in layers for name in layer.merged_adapters]:
+        raise ValueError(f"routed forward: adapter(s) {sorted(set(merged))} are merged into the base weights, "
+                         "so every token would get them; unmerge first")
     for layer in layers:
         layer.forward = functools.partial(_routed_forward, layer, route)
     try:
