@@ -39,9 +39,10 @@ def _datums(tenant: str, round_: int, count: int, tokens: int, vocab: int) -> li
             for _ in range(count)]
 
 
-def _policy(base: Path, tenants: int) -> TenantPolicy:
+def _policy(base: Path, tenants: range) -> TenantPolicy:
+    """A policy on a fresh copy of `base` with tenants `t<i>` for each i in `tenants` (seed i)."""
     policy = TenantPolicy(load_model(base))
-    for index in range(tenants):
+    for index in tenants:
         policy.add(TenantSpec(f"t{index}", rank=8, alpha=16, seed=index))
     return policy
 
@@ -58,13 +59,12 @@ def _round(policy: TenantPolicy, round_: int, datums: int, tokens: int, vocab: i
 
 def _isolation(base: Path, tenants: int, datums: int, tokens: int, vocab: int) -> float:
     """The largest relative difference of any tenant's LoRA matrix, trained together vs alone."""
-    together = _policy(base, tenants)
+    together = _policy(base, range(tenants))
     for round_ in range(ISOLATION_STEPS):
         _round(together, round_, datums, tokens, vocab)
     worst = 0.0
     for index in range(tenants):
-        alone = TenantPolicy(load_model(base))
-        alone.add(TenantSpec(f"t{index}", rank=8, alpha=16, seed=index))
+        alone = _policy(base, range(index, index + 1))
         for round_ in range(ISOLATION_STEPS):
             _round(alone, round_, datums, tokens, vocab)
         mine, theirs = together.parameters(f"t{index}"), alone.parameters(f"t{index}")
@@ -85,7 +85,7 @@ def run_tenants_bench(tenants: int = 8, hidden: int = 256, layers: int = 4, datu
     with tempfile.TemporaryDirectory(prefix="graft-bench-tenants-") as tmp:
         base = build_tiny_model(Path(tmp) / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
         vocab = load_model(base).config.vocab_size
-        alone, together = _policy(base, 1), _policy(base, tenants)
+        alone, together = _policy(base, range(1)), _policy(base, range(tenants))
         seconds = {"alone": [], "together": []}
         for round_ in range(rounds + 1):  # round 0 warms up, not counted
             console.print(f"round {round_} of {rounds}: 1 tenant, then {tenants} together")

@@ -15,8 +15,8 @@ A failure names its likely cause where the engine's answer shows one: the engine
 compared with what the usual ways of failing to deliver an adapter would serve, each a variant of
 the trainer's model teacher-forced the same way (`suspects`): the base model alone (the adapter
 loaded but never applied, or never requested), the adapter with its scaling applied twice (an engine
-that scales lora_B in place and again after a reload: the scaling squared), and the adapter without one target module (a
-module that never reached the engine). If none matches, the engine answers the probe reversed,
+that scales lora_B in place and again after a reload: the scaling squared), and the adapter without
+one target module (a module that never reached the engine). If none matches, the engine answers the probe reversed,
 which shares no prefix with it: if that one agrees, the probe was served from stale prefix-cache
 blocks (a version reloaded under the same name and path keeps its predecessor's KV, vLLM #42125).
 Else a gap of bf16 rounding names the dtype.

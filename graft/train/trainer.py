@@ -159,7 +159,8 @@ class _Leader:
         # model thread between updates (`SnapshotSource`; waiting for it cost the overlapped
         # quickstart step 19%, `graft bench verify`). Sharded, its forward is a collective, so it
         # ends before the checkpoint's begin.
-        snapshot = None if policy.ctx.active else SnapshotSource(policy.model, self._on_model_thread)
+        snapshot = SnapshotSource(policy.model, self._on_model_thread) if sync.verify and not policy.ctx.active \
+            else None  # the copy of the LoRA values only where a check will read it
         check = asyncio.ensure_future(sync.confirm(applied, snapshot))
         if policy.ctx.active:
             await asyncio.wait([check])
