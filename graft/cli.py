@@ -14,6 +14,7 @@ from graft import __version__
 from graft.bench.commands import add_bench_command
 from graft.quickstart.command import add_quickstart_command
 from graft.sync.verify_command import add_verify_command
+from graft.tenants.command import add_tenants_command
 
 
 def _quiet_libraries() -> None:
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_command(sub)
     add_verify_command(sub)
     add_quickstart_command(sub)
+    add_tenants_command(sub)
     return parser
 
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from graft.config import ALL_LINEAR
 from graft.lora.routing import BASE_ONLY, routed
-from graft.rl.logprobs import teacher_forced_logprobs
+from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
+from graft.sync.source import eval_mode
 from graft.tenants.losses import LOSSES
 
 
@@ -55,6 +56,7 @@ class AdamParams:
     beta2: float = 0.95
     eps: float = 1e-12
     weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # clip this tenant's gradient norm to this first; 0 = no clipping
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,10 @@ class TenantPolicy:
         return {name: param for name, param in self.model.named_parameters()
                 if any(f".{kind}.{tenant}." in name for kind in ("lora_A", "lora_B"))}
 
-    def forward_backward(self, datums: Sequence[Datum], loss: str) -> list[DatumResult]:
+    def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True) -> list[DatumResult]:
         """One forward and backward over `datums` of any tenants together; each tenant's gradients
-        accumulate (until its `optim_step`) from its own datums' `loss` only.
+        accumulate (until its `optim_step`) from its own datums' `loss` only. `backward=False`: the
+        losses and log-probs alone, no gradients.
 
         Raises:
             TenantError: an unknown tenant or loss, or a datum without the loss's inputs.
@@ -136,7 +139,7 @@ class TenantPolicy:
         names = list(dict.fromkeys(datum.tenant for datum in datums))
         ids_BT, mask_BT, score_BT, adapter_BT = self._layout(datums, names)
         self.model.train()
-        with routed(self.model, adapter_BT, names):
+        with routed(self.model, adapter_BT, names), torch.set_grad_enabled(backward):
             logprobs_BT = teacher_forced_logprobs(self.model, ids_BT, mask_BT, score_mask_BT=score_BT).logprobs_BT
         total, results = logprobs_BT.new_zeros(()), []
         for row, datum in enumerate(datums):
@@ -146,7 +149,8 @@ class TenantPolicy:
             datum_loss = losses_fn(logprobs_C, inputs)
             total = total + datum_loss
             results.append(DatumResult(datum_loss.item(), logprobs_C.detach().tolist()))
-        total.backward()
+        if backward:
+            total.backward()
         return results
 
     def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> StepResult:
@@ -162,12 +166,24 @@ class TenantPolicy:
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return StepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, torch.tensor(grad_norm))
         for group in optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return StepResult(True, grad_norm)
+
+    @torch.no_grad()
+    def logprobs(self, tenant: str, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
+        """`tenant`'s teacher-forced log-probs of `completion` after `prompt`, in eval mode: the
+        trainer's side of a comparison with what a server serves as this tenant's adapter (the
+        forward routes every token to `tenant`, as a batch of that adapter alone computes it)."""
+        self._require(tenant)
+        adapter_BT = torch.zeros((1, len(prompt) + len(completion)), dtype=torch.long)
+        with eval_mode(self.model), routed(self.model, adapter_BT, [tenant]):
+            return sequence_logprobs(self.model, prompt, completion)
 
     def _require(self, tenant: str) -> None:
         if tenant not in self.tenants:

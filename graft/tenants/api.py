@@ -1,0 +1,240 @@
+"""The Tinker API over HTTP: the routes the `tinker` SDK's training and sampling clients call,
+translated to and from `graft.tenants.service.TenantService`.
+
+Transport rules the SDK holds a server to (its 0.38.0 sources): JSON bodies except forward_backward
+requests and the forward_backward / sample results, which are protobuf (graft.tenants.wire); every
+operation answers at once with a request id and its result is fetched with `retrieve_future`;
+metric keys are `name:reduction`; an error carries a non-empty body (the SDK retries an empty 400 as
+a proxy's). The service asks the SDK for its plain HTTP transport and no token exchange, so
+`X-API-Key` carries the key itself on every request.
+
+A retried request (the SDK resends with the same `X-Idempotency-Key` after a lost answer) gets the
+first answer again, not a second operation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from graft.rollout.engine import SamplingParams
+from graft.tenants.futures import RequestFailed
+from graft.tenants.policy import AdamParams, Datum
+from graft.tenants.service import FORWARD_BACKWARD, OPTIM_STEP, SAVE_FOR_SAMPLER, ForwardResult, SampleResult
+from graft.tenants.wire import (
+    WireDatum,
+    WireError,
+    decode_forward_backward,
+    encode_forward_backward_output,
+    encode_sample_response,
+)
+
+PROTOBUF = "application/x-protobuf"
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                 "sample_join_sampling_session": False}
+DEFAULT_MAX_TOKENS = 256  # a sample request that names none (the SDK omits None)
+_REMEMBERED_ANSWERS = 4096  # idempotency keys kept, newest
+
+
+def datum_of(tenant: str, wire: WireDatum, index: int) -> Datum:
+    """A Tinker datum as graft's: Tinker scores `target_tokens[i]` at input position i, which must be
+    the next input token (the SDK's recipes build them so); graft keeps the sequence once, inputs + the
+    last target, with one value per scored position.
+
+    Raises:
+        RequestFailed: targets that are not the inputs shifted by one, or per-position inputs of
+            another length.
+    """
+    count = len(wire.tokens)
+    target = wire.inputs.get("target_tokens")
+    if target is None or len(target.shape) != 1 or target.shape[0] != count:
+        raise RequestFailed(f"datum {index}: loss_fn_inputs needs 'target_tokens', one per input token ({count})")
+    if list(target.values[:-1]) != list(wire.tokens[1:]):
+        raise RequestFailed(f"datum {index}: target_tokens must be model_input shifted by one (target i = "
+                            "input token i + 1), as the cookbook's datums are")
+    inputs = {}
+    for key, tensor in wire.inputs.items():
+        if key == "target_tokens":
+            continue
+        if tensor.shape != (count,):
+            raise RequestFailed(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(tensor.shape)}, "
+                                f"need [{count}] (one value per input token)")
+        inputs[key] = [float(value) for value in tensor.values]
+    return Datum(tenant, [*wire.tokens, int(target.values[-1])], inputs)
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    """The SDK's `SamplingParams` (and `num_samples`) as graft's engine takes them."""
+    params, count = body.get("sampling_params") or {}, int(body.get("num_samples", 1))
+    if params.get("top_k", -1) not in (-1, 0):
+        raise RequestFailed(f"top_k {params['top_k']} is not supported; use -1 (no top-k)")
+    stop = params.get("stop")
+    if stop is not None and not isinstance(stop, list):
+        stop = [stop]
+    if stop and not all(isinstance(item, str) for item in stop):
+        raise RequestFailed("stop token ids are not supported; give stop strings (or none: stop at end-of-sequence)")
+    try:
+        return SamplingParams(n=count, temperature=float(params.get("temperature", 1.0)),
+                              top_p=float(params.get("top_p", 1.0)),
+                              max_new_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
+                              stop=tuple(stop or ()), seed=params.get("seed"), ignore_eos=stop == [])
+    except ValueError as error:
+        raise RequestFailed(f"sampling_params: {error}") from error
+
+
+def prompt_tokens(body: dict) -> list[int]:
+    chunks = (body.get("prompt") or {}).get("chunks") or []
+    if any(chunk.get("type", "encoded_text") != "encoded_text" for chunk in chunks):
+        raise RequestFailed("only encoded_text prompt chunks are supported")
+    return [int(token) for chunk in chunks for token in chunk.get("tokens", [])]
+
+
+def encoded_result(result) -> Response:
+    """A finished future's result as the SDK expects it: protobuf for forward and sample results."""
+    if isinstance(result, RequestFailed):
+        return JSONResponse({"error": str(result), "category": result.category})
+    if isinstance(result, ForwardResult):
+        outputs = [{"logprobs": datum.logprobs} for datum in result.datums]
+        return Response(encode_forward_backward_output(outputs, {"loss:sum": result.loss}), media_type=PROTOBUF)
+    if isinstance(result, SampleResult):
+        sequences = [(list(c.token_ids), list(c.logprobs), "length" if c.finish_reason == "length" else "stop")
+                     for c in result.completions]
+        return Response(encode_sample_response(sequences, result.prompt_logprobs), media_type=PROTOBUF)
+    return JSONResponse(result)
+
+
+def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Starlette:
+    """The service's HTTP application. `api_keys`: the keys a request's `X-API-Key` may carry;
+    `poll_seconds`: how long `retrieve_future` holds a request for a result not yet there."""
+    answers: OrderedDict[str, Response] = OrderedDict()
+
+    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str = "POST") -> Route:
+        async def endpoint(request: Request) -> Response:
+            if request.headers.get("x-api-key") not in api_keys:
+                return JSONResponse({"detail": "missing or unknown API key (X-API-Key)"}, status_code=401)
+            key = request.headers.get("x-idempotency-key")
+            if key is not None and key in answers:
+                return answers[key]
+            try:
+                response = await handler(request)
+            except (RequestFailed, WireError, ValueError, KeyError, TypeError) as error:
+                detail = str(error) if not isinstance(error, KeyError) else f"missing field {error}"
+                response = JSONResponse({"detail": detail}, status_code=400)
+            if key is not None and path != "/retrieve_future":
+                answers[key] = response
+                while len(answers) > _REMEMBERED_ANSWERS:
+                    answers.popitem(last=False)
+            return response
+        return Route("/api/v1" + path, endpoint, methods=[method])
+
+    async def body(request: Request) -> dict:
+        raw = await request.body()
+        return json.loads(raw) if raw else {}
+
+    def future(request_id: str, **extra) -> JSONResponse:
+        return JSONResponse({"request_id": request_id, **extra})
+
+    def ordered(model_id: str, seq_id: int, kind: str, payload: Callable[[], object]) -> JSONResponse:
+        """A model's operation, queued at its place in the model's order; a request refused (its
+        `payload()` raises) still gives up its place, or the model's later operations would wait for it."""
+        try:
+            made = payload()
+        except Exception:
+            service.skip(model_id, int(seq_id))
+            raise
+        return future(service.submit(model_id, int(seq_id), kind, made), model_id=model_id)
+
+    async def create_session(request: Request) -> Response:
+        return JSONResponse({"session_id": service.create_session(), "type": "create_session"})
+
+    async def finish_session(request: Request) -> Response:
+        service.finish_session(request.path_params["session_id"])
+        return JSONResponse({})
+
+    async def create_model(request: Request) -> Response:
+        data = await body(request)
+        return future(service.create_model(data["session_id"], int(data.get("model_seq_id", 0)), data["base_model"],
+                                           data.get("lora_config") or {}))
+
+    async def get_info(request: Request) -> Response:
+        return JSONResponse(service.info((await body(request))["model_id"]))
+
+    async def forward_backward(request: Request) -> Response:
+        wire = decode_forward_backward(await request.body())
+
+        def payload() -> dict:
+            tenant = service.model(wire.model_id).tenant
+            if wire.loss_fn_config:
+                raise RequestFailed(f"loss_fn_config is not supported (got {sorted(wire.loss_fn_config)})")
+            datums = [datum_of(tenant, datum, index) for index, datum in enumerate(wire.data)]
+            return {"datums": datums, "loss": wire.loss_fn, "forward_only": wire.forward_only}
+
+        return ordered(wire.model_id, wire.seq_id, FORWARD_BACKWARD, payload)
+
+    async def optim_step(request: Request) -> Response:
+        data = await body(request)
+        return ordered(data["model_id"], data["seq_id"], OPTIM_STEP, lambda: AdamParams(
+            **{key: float(value) for key, value in (data.get("adam_params") or {}).items()}))
+
+    async def save_for_sampler(request: Request) -> Response:
+        data = await body(request)
+        return ordered(data["model_id"], data["seq_id"], SAVE_FOR_SAMPLER, lambda: data.get("path"))
+
+    async def create_sampler(request: Request) -> Response:
+        data = await body(request)
+        sampler_id = service.create_sampler(data["session_id"], data.get("model_path"), data.get("base_model"))
+        return JSONResponse({"sampling_session_id": sampler_id})
+
+    async def get_sampler(request: Request) -> Response:
+        sampler_id = request.path_params["sampler_id"]
+        adapter = service.sampler(sampler_id)
+        return JSONResponse({"sampler_id": sampler_id, "base_model": service.base_model, "model_path": adapter})
+
+    async def sample(request: Request) -> Response:
+        data = await body(request)
+        request_id, sequence_ids = service.sample(data["sampling_session_id"], prompt_tokens(data),
+                                                  sampling_params(data), bool(data.get("prompt_logprobs")))
+        return future(request_id, sample_sequence_ids=sequence_ids)
+
+    async def retrieve(request: Request) -> Response:
+        request_id = (await body(request))["request_id"]
+        if request_id not in service.futures:
+            return JSONResponse({"detail": f"unknown request {request_id!r} (or its result was fetched)"},
+                                status_code=404)
+        result = await service.futures.wait(request_id, poll_seconds)
+        if result is None:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return encoded_result(result)
+
+    def answer(value: dict) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            return JSONResponse(value)
+        return handler
+
+    capabilities = {"supported_models": [{"model_name": service.base_model, "trainable": True, "sampleable": True}]}
+    return Starlette(routes=[
+        route("/client/config", answer(CLIENT_CONFIG)),
+        route("/client/dynamic_config", answer({})),
+        route("/session_heartbeat", answer({"type": "session_heartbeat"})),
+        route("/telemetry", answer({"status": "accepted"})),
+        route("/healthz", answer({"status": "ok"}), "GET"),
+        route("/get_server_capabilities", answer(capabilities), "GET"),
+        route("/create_session", create_session),
+        route("/sessions/{session_id}/finish", finish_session),
+        route("/create_model", create_model),
+        route("/get_info", get_info),
+        route("/forward_backward", forward_backward),
+        route("/optim_step", optim_step),
+        route("/save_weights_for_sampler", save_for_sampler),
+        route("/create_sampling_session", create_sampler),
+        route("/samplers/{sampler_id}", get_sampler, "GET"),
+        route("/asample", sample),
+        route("/retrieve_future", retrieve),
+    ])

@@ -1,0 +1,58 @@
+"""The results of a Tinker service's asynchronous requests, by request id: `Futures`.
+
+Every training and sampling call of the Tinker API answers at once with a request id; the client then
+asks for the result (`retrieve_future`) until it is there. The client asks again the moment it is
+told "try again", so `wait` holds each ask until the result is ready or `timeout` passes (a long
+poll, under the SDK's 45 s read timeout) rather than answering "not yet" in a busy loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+
+class RequestFailed(Exception):
+    """A request that cannot be done, told to the client as the result of its future. `category`:
+    "user" (the request is at fault: the client must change it) or "server"."""
+
+    def __init__(self, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.category = category
+
+
+class Futures:
+    """Request id -> its pending or finished result. Results stay until the client has fetched them
+    once (the SDK caches a result and never asks twice), then are dropped."""
+
+    def __init__(self) -> None:
+        self._futures: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+
+    def new(self) -> tuple[str, asyncio.Future]:
+        """A fresh request id and the future its result goes into."""
+        request_id = f"req-{next(self._ids)}"
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        return request_id, future
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._futures
+
+    async def wait(self, request_id: str, timeout: float) -> Any:
+        """The result of `request_id` (the object its op produced; a `RequestFailed` for a failed
+        request), or None if it is not ready within `timeout` seconds.
+
+        Raises:
+            KeyError: no such request (never made, or its result was fetched already).
+        """
+        future = self._futures[request_id]
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            return None
+        except RequestFailed:
+            pass
+        self._futures.pop(request_id, None)
+        return future.exception() or future.result()

@@ -1,0 +1,372 @@
+"""The Tinker service's state and scheduling: `TenantService`.
+
+Sessions own training models (one tenant each: its own LoRA adapter and optimizer on the shared
+base, `graft.tenants.policy`) and sampling sessions (a tenant's published version, or the base).
+A model's operations carry the client's sequence ids and run in that order, one at a time, whatever
+order they arrive in (the SDK sends the chunks of a large batch concurrently, the first last).
+
+Batching across tenants: when models' next operations are forward_backward passes, they run as ONE
+forward and backward over all their datums (grouped by loss), so tenants who train at the same time
+share each pass over the frozen base. A first pass waits `batch_window_s` for others to arrive:
+tenants' clients are independent programs, and a pass that had just started would hold every later
+tenant back by a whole pass. All model work runs on one thread, one job at a time; HTTP handling,
+sampling and adapter syncs run on the event loop beside it.
+
+Shape suffixes: see graft/__init__.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from graft.rollout.engine import Completion, EngineError, SamplingParams
+from graft.tenants.futures import Futures, RequestFailed
+from graft.tenants.policy import AdamParams, Datum, DatumResult, TenantError, TenantPolicy, TenantSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FORWARD_BACKWARD, OPTIM_STEP, SAVE_FOR_SAMPLER = "forward_backward", "optim_step", "save_weights_for_sampler"
+SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward_backward's per-datum results and its summed loss."""
+
+    datums: list[DatumResult]
+
+    @property
+    def loss(self) -> float:
+        return sum(datum.loss for datum in self.datums)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A sample request's completions, and the prompt's log-probs when asked for."""
+
+    completions: list[Completion]
+    prompt_logprobs: list[float | None] | None
+
+
+@dataclass
+class Op:
+    """One ordered operation of a model: what to do (`kind`, `payload`) and where its result goes."""
+
+    kind: str
+    seq_id: int
+    payload: Any
+    future: asyncio.Future
+
+
+@dataclass
+class Model:
+    """A training model: a tenant's adapter, and its operations waiting for their turn."""
+
+    model_id: str
+    tenant: str
+    rank: int
+    next_seq: int = 1
+    waiting: dict[int, Op] = field(default_factory=dict)
+    busy: bool = False
+    samplers: int = 0
+
+
+class TenantService:
+    """The Tinker API's model over a `TenantPolicy` (module docstring).
+
+    Args:
+        policy: the tenants' adapters on the shared base.
+        serving: publishes tenants' versions to the engine and samples (graft.tenants.serving).
+        base_model: the name clients give to create models and that `get_info` reports.
+        tokenizer_id: what clients load the tokenizer from (`get_info`'s `tokenizer_id`).
+        max_rank: the largest LoRA rank the engine serves.
+        batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
+    """
+
+    def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
+                 batch_window_s: float = 0.01) -> None:
+        self.policy = policy
+        self.serving = serving
+        self.base_model = base_model
+        self.tokenizer_id = tokenizer_id
+        self.max_rank = max_rank
+        self.batch_window_s = batch_window_s
+        self.futures = Futures()
+        self.models: dict[str, Model] = {}
+        self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
+        self.samplers: dict[str, str | None] = {}  # sampling session id -> adapter name (None: the base)
+        self.sampler_paths: dict[str, str] = {}  # tinker:// path of saved sampler weights -> adapter name
+        self.pass_sizes: list[int] = []  # tenants in each forward_backward pass, in order
+        self._session_ids = itertools.count(1)
+        self._sampler_ids = itertools.count(1)
+        self._sequence_ids = itertools.count(1)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+
+    async def run_on_model(self, job: Callable[[], T]) -> T:
+        """`job()` on the model's thread, after the jobs before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, job)
+
+    def start(self) -> None:
+        """Start scheduling operations (on the running event loop)."""
+        self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+        if self.serving is not None:
+            await self.serving.close()
+        self._thread.shutdown(wait=True)
+
+    # sessions and models
+
+    def create_session(self) -> str:
+        session_id = f"session-{next(self._session_ids)}"
+        self.sessions[session_id] = []
+        return session_id
+
+    def finish_session(self, session_id: str) -> None:
+        self._session(session_id)
+
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: dict) -> str:
+        """A new tenant for `lora` (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.
+
+        Raises:
+            RequestFailed: an unknown session or base model, a rank the engine cannot serve, or no
+                LoRA target asked for.
+        """
+        self._session(session_id)
+        self._check_base(base_model)
+        rank = int(lora.get("rank", 32))
+        if not 1 <= rank <= self.max_rank:
+            raise RequestFailed(f"LoRA rank {rank} is out of range: the engine here serves ranks 1..{self.max_rank}")
+        targets = (ATTENTION if lora.get("train_attn", True) else ()) + (MLP if lora.get("train_mlp", True) else ())
+        if not targets:
+            raise RequestFailed("train_attn and train_mlp are both false: the adapter would train nothing")
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise RequestFailed(f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
+        tenant = f"tenant{len(self.models) + 1}"
+        seed = int(lora["seed"]) if lora.get("seed") is not None else len(self.models)
+        spec = TenantSpec(tenant, rank=rank, alpha=float(rank), target_modules=targets, seed=seed)
+        if self.serving is not None:
+            self.serving.add_tenant(tenant)
+        self.models[model_id] = Model(model_id, tenant, rank)
+        self.sessions[session_id].append(model_id)
+        return self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model_id)))
+
+    def _add_tenant(self, spec: TenantSpec, model_id: str) -> dict:
+        self.policy.add(spec)
+        log.info("model %s: tenant %s, rank %d, on %s", model_id, spec.name, spec.rank, ",".join(spec.target_modules))
+        return {"model_id": model_id}
+
+    def info(self, model_id: str) -> dict:
+        model = self.model(model_id)
+        return {"model_id": model_id, "is_lora": True, "lora_rank": model.rank, "model_name": self.base_model,
+                "model_data": {"arch": "lora", "model_name": self.base_model, "tokenizer_id": self.tokenizer_id}}
+
+    def model(self, model_id: str) -> Model:
+        if (model := self.models.get(model_id)) is None:
+            raise RequestFailed(f"unknown model {model_id!r}")
+        return model
+
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model not in (self.base_model, self.tokenizer_id):
+            raise RequestFailed(f"base model {base_model!r} is not served; the service serves {self.base_model!r}")
+
+    def _session(self, session_id: str) -> list[str]:
+        if (models := self.sessions.get(session_id)) is None:
+            raise RequestFailed(f"unknown session {session_id!r}")
+        return models
+
+    # ordered operations
+
+    def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
+        """Queue `kind` for `model_id` at its place `seq_id`; its request id.
+
+        Raises:
+            RequestFailed: an unknown model, or a sequence id already used.
+        """
+        model = self.model(model_id)
+        if seq_id < model.next_seq or seq_id in model.waiting:
+            raise RequestFailed(f"model {model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
+        request_id, future = self.futures.new()
+        model.waiting[seq_id] = Op(kind, seq_id, payload, future)
+        self._wake.set()
+        return request_id
+
+    def skip(self, model_id: str, seq_id: int) -> None:
+        """Give up `seq_id`'s place in `model_id`'s order: its request was refused (a 400), and the
+        client has counted it, so the operations after it must not wait for it."""
+        model = self.models.get(model_id)
+        if model is not None and seq_id >= model.next_seq and seq_id not in model.waiting:
+            model.waiting[seq_id] = Op(SKIP, seq_id, None, asyncio.get_running_loop().create_future())
+            self._wake.set()
+
+    async def _schedule(self) -> None:
+        """Run each model's next operation once its turn comes; forward_backward passes together."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            ready = self._take_ready(lambda op: op.kind != FORWARD_BACKWARD)
+            for model, op in ready:
+                asyncio.get_running_loop().create_task(self._run([model], [op], _listed(self._single(model, op))))
+            passes = self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
+            if passes and self.batch_window_s > 0:
+                await asyncio.sleep(self.batch_window_s)
+                passes += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
+            groups: dict[tuple[str, bool], list[tuple[Model, Op]]] = {}
+            for model, op in passes:
+                groups.setdefault((op.payload["loss"], op.payload["forward_only"]), []).append((model, op))
+            for (loss, forward_only), group in groups.items():
+                asyncio.get_running_loop().create_task(self._run_pass(group, loss, forward_only))
+
+    def _take_ready(self, wanted: Callable[[Op], bool]) -> list[tuple[Model, Op]]:
+        ready = []
+        for model in self.models.values():
+            if not model.busy and (op := model.waiting.get(model.next_seq)) is not None and wanted(op):
+                del model.waiting[model.next_seq]
+                model.busy = True
+                ready.append((model, op))
+        return ready
+
+    async def _run(self, models: list[Model], ops: list[Op], work) -> None:
+        """Await `work` (one result per op), resolve the ops' futures, then free the models for their next."""
+        try:
+            for op, result in zip(ops, await work, strict=True):
+                op.future.set_result(result)
+        except Exception as error:  # every failure reaches the client as its request's result
+            failure = _as_failure(error)
+            for op in ops:
+                op.future.set_exception(failure)
+        finally:
+            for model in models:
+                model.next_seq += 1
+                model.busy = False
+            self._wake.set()
+
+    async def _run_pass(self, group: list[tuple[Model, Op]], loss: str, forward_only: bool) -> None:
+        models, ops = [model for model, _ in group], [op for _, op in group]
+        datums = [datum for op in ops for datum in op.payload["datums"]]
+        counts = [len(op.payload["datums"]) for op in ops]
+
+        def one_pass() -> list[ForwardResult]:
+            results = self.policy.forward_backward(datums, loss, backward=not forward_only)
+            starts = list(itertools.accumulate(counts, initial=0))
+            return [ForwardResult(results[start:end]) for start, end in itertools.pairwise(starts)]
+
+        log.debug("one pass for %d tenant(s): %d datums, %s", len(ops), len(datums), loss)
+        self.pass_sizes.append(len(ops))
+        await self._run(models, ops, self.run_on_model(one_pass))
+
+    async def _single(self, model: Model, op: Op) -> Any:
+        if op.kind == SKIP:
+            return None
+        if op.kind == OPTIM_STEP:
+            return await self.run_on_model(functools.partial(self._optim_step, model, op.payload))
+        if op.kind == SAVE_FOR_SAMPLER:
+            return await self._save_for_sampler(model, op.payload)
+        raise RequestFailed(f"unknown operation {op.kind!r}", "server")
+
+    def _optim_step(self, model: Model, adam: AdamParams) -> dict:
+        step = self.policy.optim_step(model.tenant, adam)
+        if not step.applied:
+            raise RequestFailed(f"optim_step of model {model.model_id!r} refused: {step.refused}")
+        return {"metrics": {"grad_norm": step.grad_norm}}
+
+    async def _save_for_sampler(self, model: Model, name: str | None) -> dict:
+        """Publish the tenant's adapter as its next version (delivery-verified) and name a sampler of it."""
+        if self.serving is None:
+            raise RequestFailed("this service has no inference engine: sampling is off")
+        from graft.tenants.source import TenantSource
+
+        adapter = await self.serving.publish(TenantSource(self.policy, model.tenant, self.run_on_model), model.tenant)
+        model.samplers += 1
+        if name is None:
+            sampler_id = f"sampler-{next(self._sampler_ids)}"
+            self.samplers[sampler_id] = adapter
+            return {"sampling_session_id": sampler_id}
+        path = f"tinker://{model.model_id}/sampler_weights/{name}"
+        self.sampler_paths[path] = adapter
+        return {"path": path}
+
+    # sampling
+
+    def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        """A sampling session of saved sampler weights (`model_path`) or of the base model."""
+        self._session(session_id)
+        if model_path is not None:
+            if (adapter := self.sampler_paths.get(model_path)) is None:
+                known = ", ".join(self.sampler_paths) or "none"
+                raise RequestFailed(f"no sampler weights at {model_path!r} (known: {known})")
+        else:
+            self._check_base(base_model)
+            adapter = None
+        sampler_id = f"sampler-{next(self._sampler_ids)}"
+        self.samplers[sampler_id] = adapter
+        return sampler_id
+
+    def sampler(self, sampler_id: str) -> str | None:
+        if sampler_id not in self.samplers:
+            raise RequestFailed(f"unknown sampling session {sampler_id!r}")
+        return self.samplers[sampler_id]
+
+    def sample(self, sampler_id: str, prompt: Sequence[int], params: SamplingParams, with_prompt_logprobs: bool
+               ) -> tuple[str, list[str]]:
+        """Start sampling `params.n` completions; the request id and one sequence id per sample."""
+        adapter = self.sampler(sampler_id)
+        if self.serving is None:
+            raise RequestFailed("this service has no inference engine: sampling is off")
+        if not prompt:
+            raise RequestFailed("the prompt has no tokens")
+        sequence_ids = [f"seq-{next(self._sequence_ids)}" for _ in range(params.n)]
+        return self._job(self._sample(adapter, prompt, params, with_prompt_logprobs)), sequence_ids
+
+    async def _sample(self, adapter: str | None, prompt: Sequence[int], params: SamplingParams,
+                      with_prompt_logprobs: bool) -> SampleResult:
+        completions = await self.serving.sample(adapter, prompt, params)
+        prompt_logprobs = await self.serving.prompt_logprobs(adapter, prompt) if with_prompt_logprobs else None
+        return SampleResult(completions, prompt_logprobs)
+
+    def _job(self, work) -> str:
+        """A request id whose future gets `work`'s result (or its failure)."""
+        request_id, future = self.futures.new()
+
+        async def settle() -> None:
+            try:
+                future.set_result(await work)
+            except Exception as error:
+                future.set_exception(_as_failure(error))
+
+        asyncio.get_running_loop().create_task(settle())
+        return request_id
+
+
+def _as_failure(error: Exception) -> RequestFailed:
+    """The client's view of `error`: the request's fault (bad input) or the server's."""
+    if isinstance(error, RequestFailed):
+        return error
+    if isinstance(error, TenantError | ValueError):
+        return RequestFailed(str(error), "user")
+    if isinstance(error, EngineError):
+        return RequestFailed(f"inference engine: {error}", "server")
+    log.exception("request failed", exc_info=error)
+    return RequestFailed(f"{type(error).__name__}: {error}", "server")
+
+
+async def _listed(work) -> list:
+    return [await work]
+
+
+__all__ = ["Datum", "ForwardResult", "RequestFailed", "SampleResult", "TenantService"]

@@ -1,0 +1,121 @@
+"""The real `tinker` SDK (0.38.0) training against graft's Tinker service over HTTP: two tenants whose
+clients run at the same time share forward_backward passes, and each ends exactly where it would
+have trained alone; forward gives the policy's log-probs; bad requests get one clear error each."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from graft.models.loading import load_model
+from graft.tenants.command import tenant_service
+from graft.tenants.policy import AdamParams, Datum, TenantPolicy, TenantSpec
+from graft.tenants.service import ATTENTION, MLP
+from tests.tenants.tinker_service import API_KEY, ServiceThread
+
+STEPS = 3
+LEARNING_RATES = {0: 1e-2, 1: 3e-3}
+
+
+@pytest.fixture(scope="module")
+def running(base_dir, tmp_path_factory):
+    """The service with no engine (training only), a 50 ms window so both clients' passes meet."""
+    run_dir = tmp_path_factory.mktemp("tenants")
+    with ServiceThread(lambda: tenant_service(base_dir, None, run_dir=run_dir, max_loras=4, max_rank=8,
+                                              batch_window_s=0.05)) as running:
+        yield running
+
+
+def _sequences(client: int, step: int) -> list[list[int]]:
+    rng = random.Random(f"{client}-{step}")
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(6, 12))] for _ in range(2)]
+
+
+def _weights(tokens: list[int]) -> list[float]:
+    return [float(i >= 2) for i in range(len(tokens) - 1)]
+
+
+def _sdk_datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": _weights(tokens)})
+
+
+def _train(service_client: tinker.ServiceClient, base: str, client: int, out: dict) -> None:
+    training = service_client.create_lora_training_client(base_model=base, rank=4, seed=client + 1).result()
+    for step in range(STEPS):
+        backward = training.forward_backward([_sdk_datum(t) for t in _sequences(client, step)], "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=LEARNING_RATES[client]))
+        out.setdefault(client, []).append(backward.result().metrics["loss:sum"])
+        optim.result()
+    out[f"model{client}"] = training.model_id
+
+
+def _solo(base_dir, client: int) -> dict[str, torch.Tensor]:
+    """The same tenant trained alone on the same datums, in this process."""
+    policy = TenantPolicy(load_model(base_dir))
+    policy.add(TenantSpec("solo", rank=4, alpha=4.0, target_modules=ATTENTION + MLP, seed=client + 1))
+    for step in range(STEPS):
+        policy.forward_backward([Datum("solo", t, {"weights": _weights(t)}) for t in _sequences(client, step)],
+                                "cross_entropy")
+        assert policy.optim_step("solo", AdamParams(learning_rate=LEARNING_RATES[client])).applied
+    return {name.replace(".solo.", "."): p.detach().clone() for name, p in policy.parameters("solo").items()}
+
+
+def test_two_clients_at_once_share_passes_and_train_as_if_alone(running, base_dir):
+    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+    out: dict = {}
+    threads = [threading.Thread(target=_train, args=(service_client, str(base_dir), c, out)) for c in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(out[0]) == len(out[1]) == STEPS, out
+    assert max(running.service.pass_sizes) == 2, f"no pass held both tenants: {running.service.pass_sizes}"
+    for client in (0, 1):
+        tenant = running.service.models[out[f"model{client}"]].tenant
+        served = {name.replace(f".{tenant}.", "."): p.detach() for name, p in
+                  running.service.policy.parameters(tenant).items()}
+        solo = _solo(base_dir, client)
+        assert served.keys() == solo.keys()
+        worst = max(((served[k] - solo[k]).norm() / solo[k].norm()).item() for k in solo)
+        assert worst <= 1e-6, f"client {client}: adapter differs from its solo run by {worst:.2e} (relative)"
+        assert any(".lora_B." in k and solo[k].abs().max() > 0 for k in solo), "the adapter never moved"
+
+
+def test_forward_gives_the_tenants_logprobs_and_no_update(running, base_dir):
+    training = tinker.ServiceClient(base_url=running.url, api_key=API_KEY).create_lora_training_client(
+        base_model=str(base_dir), rank=2).result()
+    tokens = _sequences(7, 0)[0]
+    first = training.forward([_sdk_datum(tokens)], "cross_entropy").result()
+    again = training.forward([_sdk_datum(tokens)], "cross_entropy").result()
+    logprobs = first.loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(logprobs) == len(tokens) - 1 and all(value < 0 for value in logprobs)
+    assert again.loss_fn_outputs[0]["logprobs"].tolist() == logprobs
+    expected = -sum(w * lp for w, lp in zip(_weights(tokens), logprobs, strict=True))
+    assert first.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    tenant = running.service.models[training.model_id].tenant
+    assert all(p.grad is None for p in running.service.policy.parameters(tenant).values())
+
+
+def test_bad_requests_get_one_clear_error(running, base_dir):
+    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+    with pytest.raises(tinker.BadRequestError, match="not served"):
+        service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="rank 64 is out of range"):
+        service_client.create_lora_training_client(base_model=str(base_dir), rank=64).result()
+    training = service_client.create_lora_training_client(base_model=str(base_dir), rank=2).result()
+    tokens = _sequences(9, 0)[0]
+    unshifted = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[:-1], "weights": _weights(tokens)})
+    with pytest.raises(tinker.BadRequestError, match="shifted by one"):  # refused at once, its seq_id skipped
+        training.forward_backward([unshifted], "cross_entropy").result()
+    with pytest.raises(Exception, match="unknown loss 'dro'"):
+        training.forward_backward([_sdk_datum(tokens)], "dro").result()
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key").create_lora_training_client(
+            base_model=str(base_dir), rank=2).result()
