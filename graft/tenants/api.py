@@ -26,7 +26,15 @@ from starlette.routing import Route
 from graft.rollout.engine import SamplingParams
 from graft.tenants.futures import RequestFailed
 from graft.tenants.policy import AdamParams, Datum
-from graft.tenants.service import FORWARD_BACKWARD, OPTIM_STEP, SAVE_FOR_SAMPLER, ForwardResult, SampleResult
+from graft.tenants.sampling import SampleResult
+from graft.tenants.service import (
+    FORWARD_BACKWARD,
+    LOAD_STATE,
+    OPTIM_STEP,
+    SAVE_FOR_SAMPLER,
+    SAVE_STATE,
+    ForwardResult,
+)
 from graft.tenants.wire import (
     WireDatum,
     WireError,
@@ -68,6 +76,13 @@ def datum_of(tenant: str, wire: WireDatum, index: int) -> Datum:
                                 f"need [{count}] (one value per input token)")
         inputs[key] = [float(value) for value in tensor.values]
     return Datum(tenant, [*wire.tokens, int(target.values[-1])], inputs)
+
+
+def _name(name) -> str:
+    """A checkpoint's name as the client gave it: one path segment."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise RequestFailed(f"a checkpoint name must be one non-empty path segment without '/', got {name!r}")
+    return name
 
 
 def sampling_params(body: dict) -> SamplingParams:
@@ -185,7 +200,21 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
 
     async def save_for_sampler(request: Request) -> Response:
         data = await body(request)
-        return ordered(data["model_id"], data["seq_id"], SAVE_FOR_SAMPLER, lambda: data.get("path"))
+        return ordered(data["model_id"], data["seq_id"], SAVE_FOR_SAMPLER,
+                       lambda: None if data.get("path") is None else _name(data["path"]))
+
+    async def save_state(request: Request) -> Response:
+        data = await body(request)
+        return ordered(data["model_id"], data["seq_id"], SAVE_STATE,
+                       lambda: {"name": _name(data.get("path")), "overwrite": bool(data.get("overwrite"))})
+
+    async def load_state(request: Request) -> Response:
+        data = await body(request)
+        if "model_id" not in data:  # create_training_client_from_state: a new model from the state
+            return future(service.create_model_from_state(data["session_id"], int(data.get("model_seq_id", 0)),
+                                                          data["path"], bool(data.get("optimizer"))))
+        return ordered(data["model_id"], data["seq_id"], LOAD_STATE,
+                       lambda: {"path": data["path"], "optimizer": bool(data.get("optimizer"))})
 
     async def create_sampler(request: Request) -> Response:
         data = await body(request)
@@ -194,13 +223,13 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
 
     async def get_sampler(request: Request) -> Response:
         sampler_id = request.path_params["sampler_id"]
-        adapter = service.sampler(sampler_id)
+        adapter = service.sampling.adapter(sampler_id)
         return JSONResponse({"sampler_id": sampler_id, "base_model": service.base_model, "model_path": adapter})
 
     async def sample(request: Request) -> Response:
         data = await body(request)
-        request_id, sequence_ids = service.sample(data["sampling_session_id"], prompt_tokens(data),
-                                                  sampling_params(data), bool(data.get("prompt_logprobs")))
+        request_id, sequence_ids = service.sampling.sample(data["sampling_session_id"], prompt_tokens(data),
+                                                           sampling_params(data), bool(data.get("prompt_logprobs")))
         return future(request_id, sample_sequence_ids=sequence_ids)
 
     async def retrieve(request: Request) -> Response:
@@ -233,6 +262,8 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
         route("/forward_backward", forward_backward),
         route("/optim_step", optim_step),
         route("/save_weights_for_sampler", save_for_sampler),
+        route("/save_weights", save_state),
+        route("/load_weights", load_state),
         route("/create_sampling_session", create_sampler),
         route("/samplers/{sampler_id}", get_sampler, "GET"),
         route("/asample", sample),

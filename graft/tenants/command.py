@@ -44,7 +44,7 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
     serving = (TenantServing(engine, run_dir / "adapters", max_loras=max_loras, keep_versions=keep_versions)
                if engine is not None else None)
     service = TenantService(policy, serving, base_model=base_model or str(model_dir), tokenizer_id=str(model_dir),
-                            max_rank=max_rank, batch_window_s=batch_window_s)
+                            max_rank=max_rank, state_root=run_dir / "states", batch_window_s=batch_window_s)
     service.start()
     try:
         yield service

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any
+
+from graft.rollout.engine import EngineError
+from graft.tenants.policy import TenantError
+
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
@@ -56,3 +62,28 @@ class Futures:
             pass
         self._futures.pop(request_id, None)
         return future.exception() or future.result()
+
+    def job(self, work) -> str:
+        """A request id whose result is what the awaitable `work` gives (or its failure, `as_failure`)."""
+        request_id, future = self.new()
+
+        async def settle() -> None:
+            try:
+                future.set_result(await work)
+            except Exception as error:
+                future.set_exception(as_failure(error))
+
+        asyncio.get_running_loop().create_task(settle())
+        return request_id
+
+
+def as_failure(error: Exception) -> RequestFailed:
+    """The client's view of `error`: the request's fault (bad input) or the server's."""
+    if isinstance(error, RequestFailed):
+        return error
+    if isinstance(error, TenantError | ValueError):
+        return RequestFailed(str(error), "user")
+    if isinstance(error, EngineError):
+        return RequestFailed(f"inference engine: {error}", "server")
+    log.exception("request failed", exc_info=error)
+    return RequestFailed(f"{type(error).__name__}: {error}", "server")

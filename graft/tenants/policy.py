@@ -127,6 +127,11 @@ class TenantPolicy:
         return {name: param for name, param in self.model.named_parameters()
                 if any(f".{kind}.{tenant}." in name for kind in ("lora_A", "lora_B"))}
 
+    def optimizer(self, tenant: str) -> torch.optim.Optimizer:
+        """`tenant`'s AdamW (its state is what a checkpoint saves, graft.tenants.checkpoint)."""
+        self._require(tenant)
+        return self._optimizers[tenant]
+
     def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True) -> list[DatumResult]:
         """One forward and backward over `datums` of any tenants together; each tenant's gradients
         accumulate (until its `optim_step`) from its own datums' `loss` only. `backward=False`: the

@@ -18,22 +18,27 @@ Shape suffixes: see graft/__init__.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
-from graft.rollout.engine import Completion, EngineError, SamplingParams
-from graft.tenants.futures import Futures, RequestFailed
-from graft.tenants.policy import AdamParams, Datum, DatumResult, TenantError, TenantPolicy, TenantSpec
+from graft.tenants.checkpoint import load_tenant, save_tenant, tenant_spec
+from graft.tenants.futures import Futures, RequestFailed, as_failure
+from graft.tenants.policy import AdamParams, DatumResult, TenantPolicy, TenantSpec
+from graft.tenants.sampling import Samplers
+from graft.tenants.source import TenantSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FORWARD_BACKWARD, OPTIM_STEP, SAVE_FOR_SAMPLER = "forward_backward", "optim_step", "save_weights_for_sampler"
+SAVE_STATE, LOAD_STATE = "save_weights", "load_weights"
 SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -48,14 +53,6 @@ class ForwardResult:
     @property
     def loss(self) -> float:
         return sum(datum.loss for datum in self.datums)
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """A sample request's completions, and the prompt's log-probs when asked for."""
-
-    completions: list[Completion]
-    prompt_logprobs: list[float | None] | None
 
 
 @dataclass
@@ -86,16 +83,19 @@ class TenantService:
 
     Args:
         policy: the tenants' adapters on the shared base.
-        serving: publishes tenants' versions to the engine and samples (graft.tenants.serving).
+        serving: publishes tenants' versions to the engine and samples (graft.tenants.serving); None:
+            training only.
         base_model: the name clients give to create models and that `get_info` reports.
         tokenizer_id: what clients load the tokenizer from (`get_info`'s `tokenizer_id`).
         max_rank: the largest LoRA rank the engine serves.
+        state_root: where `save_state` writes tenants' states (graft.tenants.checkpoint).
         batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
     """
 
     def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
-                 batch_window_s: float = 0.01) -> None:
+                 state_root: Path, batch_window_s: float = 0.01) -> None:
         self.policy = policy
+        self.state_root = state_root
         self.serving = serving
         self.base_model = base_model
         self.tokenizer_id = tokenizer_id
@@ -104,12 +104,9 @@ class TenantService:
         self.futures = Futures()
         self.models: dict[str, Model] = {}
         self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
-        self.samplers: dict[str, str | None] = {}  # sampling session id -> adapter name (None: the base)
-        self.sampler_paths: dict[str, str] = {}  # tinker:// path of saved sampler weights -> adapter name
+        self.sampling = Samplers(serving, self.futures)
         self.pass_sizes: list[int] = []  # tenants in each forward_backward pass, in order
         self._session_ids = itertools.count(1)
-        self._sampler_ids = itertools.count(1)
-        self._sequence_ids = itertools.count(1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -125,8 +122,7 @@ class TenantService:
     async def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.cancel()
-        if self.serving is not None:
-            await self.serving.close()
+        await self.sampling.close()
         self._thread.shutdown(wait=True)
 
     # sessions and models
@@ -141,35 +137,61 @@ class TenantService:
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: dict) -> str:
         """A new tenant for `lora` (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.
+        A tenant's alpha is its rank (LoRA scaling 1); `train_unembed` is not supported and ignored (the
+        adapter covers attention and MLP).
 
         Raises:
             RequestFailed: an unknown session or base model, a rank the engine cannot serve, or no
                 LoRA target asked for.
         """
-        self._session(session_id)
         self._check_base(base_model)
         rank = int(lora.get("rank", 32))
-        if not 1 <= rank <= self.max_rank:
-            raise RequestFailed(f"LoRA rank {rank} is out of range: the engine here serves ranks 1..{self.max_rank}")
         targets = (ATTENTION if lora.get("train_attn", True) else ()) + (MLP if lora.get("train_mlp", True) else ())
         if not targets:
             raise RequestFailed("train_attn and train_mlp are both false: the adapter would train nothing")
+        seed = int(lora["seed"]) if lora.get("seed") is not None else len(self.models)
+        model = self._new_model(session_id, model_seq_id, rank)
+        spec = TenantSpec(model.tenant, rank=rank, alpha=float(rank), target_modules=targets, seed=seed)
+        return self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model.model_id)))
+
+    def create_model_from_state(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool) -> str:
+        """A new tenant whose adapter (and optimizer, `with_optimizer`) is the state saved at `path`."""
+        state_dir = self.state_dir(path)
+        spec = tenant_spec(state_dir, "")
+        model = self._new_model(session_id, model_seq_id, spec.rank)
+
+        def add_and_load() -> dict:
+            self._add_tenant(dataclasses.replace(spec, name=model.tenant), model.model_id)
+            load_tenant(self.policy, model.tenant, state_dir, with_optimizer=with_optimizer)
+            return {"path": path, "model_id": model.model_id}
+
+        return self._job(self.run_on_model(add_and_load))
+
+    def _new_model(self, session_id: str, model_seq_id: int, rank: int) -> Model:
+        self._session(session_id)
+        if not 1 <= rank <= self.max_rank:
+            raise RequestFailed(f"LoRA rank {rank} is out of range: the engine here serves ranks 1..{self.max_rank}")
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             raise RequestFailed(f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
         tenant = f"tenant{len(self.models) + 1}"
-        seed = int(lora["seed"]) if lora.get("seed") is not None else len(self.models)
-        spec = TenantSpec(tenant, rank=rank, alpha=float(rank), target_modules=targets, seed=seed)
-        if self.serving is not None:
-            self.serving.add_tenant(tenant)
-        self.models[model_id] = Model(model_id, tenant, rank)
+        self.sampling.add_tenant(tenant)
+        self.models[model_id] = model = Model(model_id, tenant, rank)
         self.sessions[session_id].append(model_id)
-        return self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model_id)))
+        return model
 
     def _add_tenant(self, spec: TenantSpec, model_id: str) -> dict:
         self.policy.add(spec)
         log.info("model %s: tenant %s, rank %d, on %s", model_id, spec.name, spec.rank, ",".join(spec.target_modules))
         return {"model_id": model_id}
+
+    def state_dir(self, path: str) -> Path:
+        """Where the state at `path` (`tinker://<model id>/weights/<name>`, what `save_state` returned) lives."""
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights" or any(
+                part in ("", ".", "..") for part in parts):
+            raise RequestFailed(f"not a training state path: {path!r} (expected tinker://<model id>/weights/<name>)")
+        return self.state_root / parts[0].replace(":", "_") / parts[2]
 
     def info(self, model_id: str) -> dict:
         model = self.model(model_id)
@@ -181,6 +203,13 @@ class TenantService:
             raise RequestFailed(f"unknown model {model_id!r}")
         return model
 
+    def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        """A sampling session of saved sampler weights (`model_path`) or of the base model."""
+        self._session(session_id)
+        if model_path is None:
+            self._check_base(base_model)
+        return self.sampling.create(model_path)
+
     def _check_base(self, base_model: str | None) -> None:
         if base_model not in (self.base_model, self.tokenizer_id):
             raise RequestFailed(f"base model {base_model!r} is not served; the service serves {self.base_model!r}")
@@ -189,6 +218,9 @@ class TenantService:
         if (models := self.sessions.get(session_id)) is None:
             raise RequestFailed(f"unknown session {session_id!r}")
         return models
+
+    def _job(self, work) -> str:
+        return self.futures.job(work)
 
     # ordered operations
 
@@ -247,7 +279,7 @@ class TenantService:
             for op, result in zip(ops, await work, strict=True):
                 op.future.set_result(result)
         except Exception as error:  # every failure reaches the client as its request's result
-            failure = _as_failure(error)
+            failure = as_failure(error)
             for op in ops:
                 op.future.set_exception(failure)
         finally:
@@ -275,8 +307,19 @@ class TenantService:
             return None
         if op.kind == OPTIM_STEP:
             return await self.run_on_model(functools.partial(self._optim_step, model, op.payload))
+        if op.kind == SAVE_STATE:
+            path = f"tinker://{model.model_id}/weights/{op.payload['name']}"
+            await self.run_on_model(functools.partial(save_tenant, self.policy, model.tenant, self.state_dir(path),
+                                                      overwrite=op.payload["overwrite"]))
+            return {"path": path}
+        if op.kind == LOAD_STATE:
+            state_dir = self.state_dir(op.payload["path"])
+            await self.run_on_model(functools.partial(load_tenant, self.policy, model.tenant, state_dir,
+                                                      with_optimizer=op.payload["optimizer"]))
+            return {"path": op.payload["path"], "model_id": model.model_id}
         if op.kind == SAVE_FOR_SAMPLER:
-            return await self._save_for_sampler(model, op.payload)
+            source = TenantSource(self.policy, model.tenant, self.run_on_model)
+            return await self.sampling.publish(source, model.model_id, op.payload)
         raise RequestFailed(f"unknown operation {op.kind!r}", "server")
 
     def _optim_step(self, model: Model, adam: AdamParams) -> dict:
@@ -285,88 +328,5 @@ class TenantService:
             raise RequestFailed(f"optim_step of model {model.model_id!r} refused: {step.refused}")
         return {"metrics": {"grad_norm": step.grad_norm}}
 
-    async def _save_for_sampler(self, model: Model, name: str | None) -> dict:
-        """Publish the tenant's adapter as its next version (delivery-verified) and name a sampler of it."""
-        if self.serving is None:
-            raise RequestFailed("this service has no inference engine: sampling is off")
-        from graft.tenants.source import TenantSource
-
-        adapter = await self.serving.publish(TenantSource(self.policy, model.tenant, self.run_on_model), model.tenant)
-        model.samplers += 1
-        if name is None:
-            sampler_id = f"sampler-{next(self._sampler_ids)}"
-            self.samplers[sampler_id] = adapter
-            return {"sampling_session_id": sampler_id}
-        path = f"tinker://{model.model_id}/sampler_weights/{name}"
-        self.sampler_paths[path] = adapter
-        return {"path": path}
-
-    # sampling
-
-    def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
-        """A sampling session of saved sampler weights (`model_path`) or of the base model."""
-        self._session(session_id)
-        if model_path is not None:
-            if (adapter := self.sampler_paths.get(model_path)) is None:
-                known = ", ".join(self.sampler_paths) or "none"
-                raise RequestFailed(f"no sampler weights at {model_path!r} (known: {known})")
-        else:
-            self._check_base(base_model)
-            adapter = None
-        sampler_id = f"sampler-{next(self._sampler_ids)}"
-        self.samplers[sampler_id] = adapter
-        return sampler_id
-
-    def sampler(self, sampler_id: str) -> str | None:
-        if sampler_id not in self.samplers:
-            raise RequestFailed(f"unknown sampling session {sampler_id!r}")
-        return self.samplers[sampler_id]
-
-    def sample(self, sampler_id: str, prompt: Sequence[int], params: SamplingParams, with_prompt_logprobs: bool
-               ) -> tuple[str, list[str]]:
-        """Start sampling `params.n` completions; the request id and one sequence id per sample."""
-        adapter = self.sampler(sampler_id)
-        if self.serving is None:
-            raise RequestFailed("this service has no inference engine: sampling is off")
-        if not prompt:
-            raise RequestFailed("the prompt has no tokens")
-        sequence_ids = [f"seq-{next(self._sequence_ids)}" for _ in range(params.n)]
-        return self._job(self._sample(adapter, prompt, params, with_prompt_logprobs)), sequence_ids
-
-    async def _sample(self, adapter: str | None, prompt: Sequence[int], params: SamplingParams,
-                      with_prompt_logprobs: bool) -> SampleResult:
-        completions = await self.serving.sample(adapter, prompt, params)
-        prompt_logprobs = await self.serving.prompt_logprobs(adapter, prompt) if with_prompt_logprobs else None
-        return SampleResult(completions, prompt_logprobs)
-
-    def _job(self, work) -> str:
-        """A request id whose future gets `work`'s result (or its failure)."""
-        request_id, future = self.futures.new()
-
-        async def settle() -> None:
-            try:
-                future.set_result(await work)
-            except Exception as error:
-                future.set_exception(_as_failure(error))
-
-        asyncio.get_running_loop().create_task(settle())
-        return request_id
-
-
-def _as_failure(error: Exception) -> RequestFailed:
-    """The client's view of `error`: the request's fault (bad input) or the server's."""
-    if isinstance(error, RequestFailed):
-        return error
-    if isinstance(error, TenantError | ValueError):
-        return RequestFailed(str(error), "user")
-    if isinstance(error, EngineError):
-        return RequestFailed(f"inference engine: {error}", "server")
-    log.exception("request failed", exc_info=error)
-    return RequestFailed(f"{type(error).__name__}: {error}", "server")
-
-
 async def _listed(work) -> list:
     return [await work]
-
-
-__all__ = ["Datum", "ForwardResult", "RequestFailed", "SampleResult", "TenantService"]

@@ -119,3 +119,45 @@ def test_bad_requests_get_one_clear_error(running, base_dir):
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key").create_lora_training_client(
             base_model=str(base_dir), rank=2).result()
+
+
+def _adapter(running, model_id: str) -> dict[str, torch.Tensor]:
+    tenant = running.service.models[model_id].tenant
+    return {name.replace(f".{tenant}.", "."): p.detach().clone()
+            for name, p in running.service.policy.parameters(tenant).items()}
+
+
+def test_saved_state_resumes_exactly_and_is_a_peft_adapter(running, base_dir):
+    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+    training = service_client.create_lora_training_client(base_model=str(base_dir), rank=4, seed=5).result()
+
+    def step(client, index: int) -> None:
+        client.forward_backward([_sdk_datum(t) for t in _sequences(11, index)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    for index in range(2):
+        step(training, index)
+    path = training.save_state("after-2").result().path
+    assert path == f"tinker://{training.model_id}/weights/after-2"
+    step(training, 2)
+    uninterrupted = _adapter(running, training.model_id)
+
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    step(resumed, 2)
+    assert resumed.model_id != training.model_id
+    after = _adapter(running, resumed.model_id)
+    assert after.keys() == uninterrupted.keys()
+    assert all(torch.equal(after[k], uninterrupted[k]) for k in after), "resume with the optimizer is not exact"
+
+    fresh = service_client.create_training_client_from_state(path).result()  # weights only: a fresh AdamW
+    step(fresh, 2)
+    assert any(not torch.equal(_adapter(running, fresh.model_id)[k], uninterrupted[k]) for k in uninterrupted)
+
+    import peft
+
+    state_dir = running.service.state_dir(path)
+    peft_model = peft.PeftModel.from_pretrained(load_model(base_dir), state_dir)
+    loaded = {k.replace(".default.", "."): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    assert loaded.keys() == uninterrupted.keys()
+    with pytest.raises(tinker.BadRequestError, match="not a training state path"):
+        service_client.create_training_client_from_state("tinker://nowhere").result()

@@ -1,0 +1,90 @@
+"""A tenant's training state on disk: its adapter as a PEFT directory, plus its optimizer.
+
+What the Tinker API's `save_state` writes and `load_state` / `create_training_client_from_state`
+read. The directory is a plain PEFT adapter (`adapter_model.safetensors`, `adapter_config.json`:
+`peft.PeftModel.from_pretrained` and vLLM load it as it is) with `optimizer.safetensors` beside it:
+each LoRA tensor's AdamW moments and step count under `<PEFT key>.<exp_avg|exp_avg_sq|step>`, so
+that training resumes exactly (the next step equals the one an uninterrupted run takes). Nothing is
+pickled; the directory appears whole or not at all (graft.atomic).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from graft.atomic import atomic_dir, save_safetensors
+from graft.lora.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_adapter_files
+from graft.tenants.policy import TenantPolicy, TenantSpec
+from graft.tenants.source import single_adapter_key, tenant_config_dict
+
+OPTIMIZER = "optimizer.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class CheckpointError(ValueError):
+    """A tenant checkpoint that is missing, incomplete, or of another adapter shape."""
+
+
+def save_tenant(policy: TenantPolicy, tenant: str, out_dir: Path, *, overwrite: bool = False) -> Path:
+    """Write `tenant`'s adapter (fp32, as trained) and optimizer state to `out_dir`; run it where the
+    model is not being changed (the service's model thread)."""
+    params = policy.parameters(tenant)
+    optimizer = policy.optimizer(tenant)
+    moments = {}
+    for name, param in params.items():
+        for moment, value in optimizer.state.get(param, {}).items():
+            moments[f"{single_adapter_key(name, tenant)}.{moment}"] = torch.as_tensor(value).detach().cpu()
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        write_adapter_files({single_adapter_key(name, tenant): param.detach() for name, param in params.items()},
+                            tenant_config_dict(policy.model, tenant), tmp)
+        save_safetensors(moments, tmp / OPTIMIZER)
+    return out_dir
+
+
+def tenant_spec(path: Path, name: str, seed: int = 0) -> TenantSpec:
+    """The `TenantSpec` of the adapter saved at `path`, for a tenant called `name`."""
+    config = _config(path)
+    modules = config["target_modules"]
+    return TenantSpec(name, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                      target_modules=tuple(modules) if isinstance(modules, list) else modules, seed=seed)
+
+
+def load_tenant(policy: TenantPolicy, tenant: str, path: Path, *, with_optimizer: bool) -> None:
+    """Copy the adapter (and, `with_optimizer`, the AdamW state) saved at `path` into `tenant`.
+
+    Raises:
+        CheckpointError: files missing, or tensors that do not match the tenant's adapter.
+    """
+    params = policy.parameters(tenant)
+    saved = _tensors(path / ADAPTER_WEIGHTS)
+    keys = {single_adapter_key(name, tenant): name for name in params}
+    if set(saved) != set(keys) or any(saved[key].shape != params[keys[key]].shape for key in keys):
+        raise CheckpointError(f"{path}: its tensors do not match tenant {tenant!r}'s adapter (rank or modules differ)")
+    moments = _tensors(path / OPTIMIZER) if with_optimizer else {}
+    optimizer = policy.optimizer(tenant)
+    with torch.no_grad():
+        for key, name in keys.items():
+            params[name].copy_(saved[key])
+            params[name].grad = None
+            state = {moment: moments[f"{key}.{moment}"] for moment in MOMENTS if f"{key}.{moment}" in moments}
+            if state:
+                optimizer.state[params[name]] = {m: v.to(params[name].device) for m, v in state.items()}
+            else:
+                optimizer.state.pop(params[name], None)
+
+
+def _config(path: Path) -> dict:
+    try:
+        return json.loads((path / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"no tenant checkpoint at {path} ({ADAPTER_CONFIG} is missing)") from error
+
+
+def _tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: not a complete tenant checkpoint")
+    return safetensors.torch.load_file(file)
