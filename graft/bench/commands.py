@@ -54,6 +54,9 @@ BENCHES = {
     "tenants": Bench("graft.bench.tenants", "tenants' LoRA adapters trained in shared batches on one base vs one "
                                             "tenant alone: trained tokens/s (aggregate_over_single), how far each "
                                             "tenant ends from its solo run (isolation_max_rel_diff), memory added."),
+    "cookbook": Bench("graft.bench.cookbook", "tinker-cookbook's own RL recipe (math_rl, env=arithmetic) run by "
+                                              "several tenants at once against graft's Tinker service on a real "
+                                              "model: each tenant's reward per step, shared passes; cookbook.png."),
     "update": Bench("graft.bench.update", "one GRPO update (LoRA r16 fp32, one optimizer step) at the Qwen2.5-0.5B "
                                           "shape on this machine's device (CUDA or CPU), graft vs TRL GRPOTrainer + "
                                           "PEFT; best of --repeats after a warm-up: seconds, CPU seconds, tokens/s, "

@@ -13,11 +13,12 @@ import torch
 from tinker import types
 
 from graft.models.loading import load_model
+from graft.tenants.background import ServiceThread
 from graft.tenants.command import tenant_service
 from graft.tenants.policy import AdamParams, Datum, TenantPolicy, TenantSpec
 from graft.tenants.service import ATTENTION, MLP
-from tests.tenants.tinker_service import API_KEY, ServiceThread
 
+API_KEY = "tml-graft-tests"
 STEPS = 3
 LEARNING_RATES = {0: 1e-2, 1: 3e-3}
 
@@ -27,7 +28,7 @@ def running(base_dir, tmp_path_factory):
     """The service with no engine (training only), a 50 ms window so both clients' passes meet."""
     run_dir = tmp_path_factory.mktemp("tenants")
     with ServiceThread(lambda: tenant_service(base_dir, None, run_dir=run_dir, max_loras=4, max_rank=8,
-                                              batch_window_s=0.05)) as running:
+                                              batch_window_s=0.05), API_KEY) as running:
         yield running
 
 

@@ -1,5 +1,5 @@
-"""A Tinker service (graft.tenants) on a loopback port, run in a thread of the test process, for the
-real `tinker` SDK to talk to over HTTP."""
+"""A Tinker service on a loopback port, run in a thread of this process: what the tests and
+`graft bench cookbook` point the real `tinker` SDK (another thread, or other processes) at."""
 
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ import uvicorn
 from graft.rollout.launcher import free_port
 from graft.tenants.api import build_app
 
-API_KEY = "tml-graft-tests"
-
 
 class ServiceThread:
     """`with ServiceThread(make) as running:` serves the service that `make()` (an async context
     manager) yields at `running.url`; `running.service` is that service, `running.call(coroutine)` runs
     on its event loop."""
 
-    def __init__(self, make, poll_seconds: float = 5.0) -> None:
-        self._make, self._poll = make, poll_seconds
+    def __init__(self, make, api_key: str, poll_seconds: float = 5.0) -> None:
+        self._make, self._key, self._poll = make, api_key, poll_seconds
         self.url = f"http://127.0.0.1:{free_port()}"
         self.service = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,6 +56,6 @@ class ServiceThread:
         async with self._make() as service:
             self.service = service
             port = int(self.url.rsplit(":", 1)[1])
-            self._server = uvicorn.Server(uvicorn.Config(build_app(service, {API_KEY}, poll_seconds=self._poll),
+            self._server = uvicorn.Server(uvicorn.Config(build_app(service, {self._key}, poll_seconds=self._poll),
                                                          host="127.0.0.1", port=port, log_level="warning"))
             await self._server.serve()

@@ -1,0 +1,216 @@
+"""`graft bench cookbook`: tinker-cookbook's own RL recipe, run by several tenants at once against
+graft's Tinker service (`graft tenants serve`), on a real model here.
+
+The recipe is the cookbook's `tinker_cookbook.recipes.math_rl.train` with `env=arithmetic` (its
+smallest RL example: "What is x + y?" with a few-shot prefix, reward 1 for the right sum), run
+unchanged, one process per tenant, all started together against one service: one vLLM server (each
+tenant's versions served as `<tenant>-v<N>`, delivery-verified), one base in the trainer, the
+tenants' forward_backward passes batched together. Settings the recipe takes on its command line:
+`loss_fn=importance_sampling` (the default `stable_reinforce` needs server-side provenance graft does
+not record), `renderer_name=role_colon` (plain "User:/Assistant:" text, fitting any tokenizer).
+
+The cookbook runs in graft's virtualenv (its `tinker` SDK, torch, transformers, datasets) with its
+own package and the few pure-Python packages it needs beyond those installed once into a directory
+under the cache (`cookbook_site`), not into graft's environment: its `tml-renderers` requirement
+is not on the package index here and serves only its Inkling and audio renderers.
+
+Reported per tenant: the mean reward of the first and last `--window` steps (the recipe's
+`env/all/reward/total`), and how many of the service's forward_backward passes held more than one
+tenant. cookbook.png plots every tenant's reward per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+COOKBOOK = "tinker-cookbook==0.6.1"
+# What the recipe imports beyond graft's environment (pure Python, or wheels for this platform).
+COOKBOOK_EXTRAS = ["chz==0.4.0", "blobfile==3.3.0", "lxml==6.1.3", "pycryptodomex==3.24.2", "termcolor==3.3.0",
+                   "pyrage==1.4.0", "pylatexenc==2.11", "math-verify==0.9.0", "latex2sympy2_extended==1.11.0",
+                   "antlr4-python3-runtime==4.13.2"]
+RECIPE = "tinker_cookbook.recipes.math_rl.train"
+REWARD = "env/all/reward/total"
+
+
+def cookbook_site(cache_dir: Path, console: Console) -> Path:
+    """A directory holding the cookbook and its extra packages (installed on first use), for PYTHONPATH."""
+    site = cache_dir / f"cookbook-{COOKBOOK.split('==')[1]}"
+    stamp = site / ".graft-installed.json"
+    wanted = [COOKBOOK, *COOKBOOK_EXTRAS]
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
+        return site
+    log = cache_dir / "cookbook-install.log"
+    with console.status(f"installing {COOKBOOK} into {site} (once; log {log})"), open(log, "w") as out:
+        code = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target",
+                               str(site), *wanted], stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"installing {COOKBOOK} failed; see {log}")
+    stamp.write_text(json.dumps(wanted))
+    return site
+
+
+def recipe_command(model_dir: Path, base_url: str, log_path: Path, args: argparse.Namespace) -> list[str]:
+    """The cookbook recipe's command line for one tenant (its own chz `key=value` arguments)."""
+    settings = {"env": "arithmetic", "model_name": str(model_dir), "renderer_name": "role_colon",
+                "base_url": base_url, "loss_fn": "importance_sampling", "lora_rank": args.rank,
+                "group_size": args.group_size, "groups_per_batch": args.groups, "learning_rate": args.learning_rate,
+                "max_tokens": args.max_tokens, "max_steps": args.steps, "eval_every": 0, "save_every": args.steps,
+                "log_path": str(log_path), "behavior_if_log_dir_exists": "delete"}
+    return [sys.executable, "-m", RECIPE, *(f"{key}={value}" for key, value in settings.items())]
+
+
+def rewards(log_path: Path) -> list[float]:
+    """The recipe's reward per step so far (its metrics.jsonl)."""
+    metrics = log_path / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [row[REWARD] for row in rows if REWARD in row]
+
+
+def run_recipes(model_dir: Path, base_url: str, key: str, site: Path, out: Path, args: argparse.Namespace,
+                console: Console) -> dict[str, list[float]]:
+    """Start one recipe process per tenant together and wait for all; each tenant's rewards per step."""
+    env = {**os.environ, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    logs = {f"tenant{i + 1}": out / f"tenant{i + 1}" for i in range(args.tenants)}
+    processes = {}
+    for name, log_path in logs.items():
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{name}.log", "w") as stdout:
+            processes[name] = subprocess.Popen(recipe_command(model_dir, base_url, log_path, args), env=env,
+                                               stdout=stdout, stderr=subprocess.STDOUT, cwd=out)
+    with console.status("") as status:
+        while any(process.poll() is None for process in processes.values()):
+            status.update("cookbook RL recipe, " + ", ".join(
+                f"{name}: step {len(rewards(log_path))}/{args.steps}" for name, log_path in logs.items()))
+            time.sleep(2)
+    failed = [name for name, process in processes.items() if process.returncode]
+    if failed:
+        tail = "\n".join((out / f"{failed[0]}.log").read_text().splitlines()[-20:])
+        raise RuntimeError(f"the cookbook recipe of {', '.join(failed)} failed; last lines of "
+                           f"{out / f'{failed[0]}.log'}:\n{tail}")
+    return {name: rewards(log_path) for name, log_path in logs.items()}
+
+
+def _base(model: str, console: Console) -> Path:
+    from graft.models.loading import require_model_dir
+    from graft.models.packaged import PACKAGED_MODELS, packaged_model_dir
+
+    if model in PACKAGED_MODELS:
+        return packaged_model_dir(model, log=lambda message: console.print(message))
+    return require_model_dir(model)
+
+
+def measure(args: argparse.Namespace, console: Console) -> dict:
+    """Launch vLLM and the Tinker service, run the recipes; the per-tenant rewards and pass sizes."""
+    import contextlib
+
+    from graft.models.cache import default_cache_dir
+    from graft.rollout.vllm.client import VllmClient
+    from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
+    from graft.tenants.background import ServiceThread
+    from graft.tenants.command import tenant_service
+
+    site = cookbook_site(default_cache_dir(), console)
+    model_dir = _base(args.model, console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = "tml-" + secrets.token_hex(16)
+    slots = 2 * args.tenants  # each tenant keeps its 2 newest versions served
+    config = VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=args.rank, max_loras=slots,
+                              log_dir=out)
+    with console.status(f"starting vLLM for {model_dir}"):
+        server = VllmServer(config).__enter__()
+    try:
+        @contextlib.asynccontextmanager
+        async def service():
+            async with VllmClient(server.url) as engine, tenant_service(
+                    model_dir, engine, run_dir=out / "service", max_loras=slots, max_rank=args.rank) as running:
+                yield running
+
+        with ServiceThread(service, key) as running:
+            start = time.perf_counter()
+            per_tenant = run_recipes(model_dir, running.url, key, site, out, args, console)
+            seconds = time.perf_counter() - start
+            passes = list(running.service.pass_sizes)
+    finally:
+        server.__exit__(None, None, None)
+    return {"model": args.model, "tenants": args.tenants, "steps": args.steps, "seconds": round(seconds, 1),
+            "settings": {"group_size": args.group_size, "groups_per_batch": args.groups, "rank": args.rank,
+                         "learning_rate": args.learning_rate, "max_tokens": args.max_tokens},
+            "rewards": per_tenant, "passes": len(passes), "shared_passes": sum(size > 1 for size in passes)}
+
+
+def summarise(result: dict, window: int) -> dict:
+    """First and last `window` steps' mean reward per tenant, and whether it rose."""
+    summary = {}
+    for name, series in result["rewards"].items():
+        first, last = series[:window], series[-window:]
+        summary[name] = {"first": sum(first) / len(first), "last": sum(last) / len(last)}
+        summary[name]["rose"] = summary[name]["last"] > summary[name]["first"]
+    return summary
+
+
+def plot_rewards(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, series in result["rewards"].items():
+        ax.plot(range(1, len(series) + 1), series, "o-", label=name)
+    settings = result["settings"]
+    ax.set_xlabel("training step (one batch of the recipe)")
+    ax.set_ylabel("mean reward of the step's samples (1 = right sum)")
+    ax.set_title(f"tinker-cookbook math_rl (env=arithmetic), {result['tenants']} tenants at once on one graft service\n"
+                 f"{result['model']}, LoRA r{settings['rank']}, {settings['groups_per_batch']} x "
+                 f"{settings['group_size']} samples per step", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="a packaged model's name or an HF directory")
+    parser.add_argument("--tenants", type=int, default=2, help="recipe processes run at once, one tenant each")
+    parser.add_argument("--steps", type=int, default=12, help="the recipe's max_steps")
+    parser.add_argument("--groups", type=int, default=8, help="the recipe's groups_per_batch (prompts per step)")
+    parser.add_argument("--group-size", type=int, default=8, help="the recipe's group_size (samples per prompt)")
+    parser.add_argument("--rank", type=int, default=8, help="the recipe's lora_rank (one vLLM accepts: 8, 16, ...)")
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--max-tokens", type=int, default=5, help="the recipe's max_tokens (the recipe's default)")
+    parser.add_argument("--window", type=int, default=3, help="steps averaged at the start and at the end")
+    parser.add_argument("--out", default="runs/bench/cookbook", help="logs, the recipes' log paths, cookbook.png")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`graft bench cookbook`: run, print the table, plot; return what --json writes."""
+    console = Console(stderr=True)
+    result = measure(args, console)
+    result["summary"] = summarise(result, args.window)
+    table = Table(title=f"tinker-cookbook RL recipe, {args.tenants} tenants at once ({result['seconds']:.0f} s)")
+    for column in ("tenant", f"reward, first {args.window} steps", f"reward, last {args.window} steps", "rose"):
+        table.add_column(column)
+    for name, row in result["summary"].items():
+        table.add_row(name, f"{row['first']:.3f}", f"{row['last']:.3f}", "yes" if row["rose"] else "no")
+    Console().print(table)
+    Console().print(f"forward_backward passes: {result['passes']}, of which {result['shared_passes']} held "
+                    "several tenants")
+    result["plot"] = str(plot_rewards(result, Path(args.out) / "cookbook.png"))
+    Console().print(f"plot: {result['plot']}")
+    return result
