@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 
 import httpx
 
@@ -198,6 +199,25 @@ class VllmClient:
             return parse_completions(response.json(), request.params.n, self.address)
 
         return await gather_cancel_on_error(one(r) for r in requests)
+
+    async def prompt_logprobs(self, prompt: Sequence[int], adapter: str | None = None) -> list[float | None]:
+        """The log-prob of each token of `prompt` under the base model or `adapter`, None at position 0
+        (nothing predicts it): vLLM's `prompt_logprobs=0`, which reports each actual prompt token (not
+        the top-1), with one token generated (vLLM generates at least one).
+
+        Raises:
+            UnknownAdapterError, BadRequestError, EngineUnavailableError: as `generate`.
+        """
+        model = adapter if adapter is not None else await self.base_model()
+        body = {"model": model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+        async with self._semaphore:
+            response = await answer_while_alive(self._call("POST", "/v1/completions", long=True, json=body),
+                                                self.health, every_s=self._control_timeout_s, address=self.address)
+        scored = response.json()["choices"][0].get("prompt_logprobs") or []
+        if len(scored) != len(prompt):
+            raise EngineError(f"asked for the log-probs of {len(prompt)} prompt tokens, got {len(scored)}",
+                              address=self.address)
+        return [None if at is None else float(at[str(token)]["logprob"]) for token, at in zip(prompt, scored)]
 
     async def _generate_batch(self, payloads: list[dict]) -> list[dict] | None:
         """Every payload in one call to graft's batch route (graft.rollout.vllm.server.batch_route), so the
