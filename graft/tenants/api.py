@@ -170,7 +170,7 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
         return JSONResponse({"session_id": service.create_session(), "type": "create_session"})
 
     async def finish_session(request: Request) -> Response:
-        service.finish_session(request.path_params["session_id"])
+        await service.finish_session(request.path_params["session_id"])
         return JSONResponse({})
 
     async def create_model(request: Request) -> Response:

@@ -96,6 +96,7 @@ class TenantPolicy:
         self.pad_id = pad_id
         self.tenants: dict[str, TenantSpec] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._removed: str | None = None  # the last tenant removed, kept in PEFT until another exists
 
     def add(self, spec: TenantSpec) -> None:
         """A new tenant: its adapter initialised from `spec.seed` as `attach_lora(seed=...)` would
@@ -104,7 +105,7 @@ class TenantPolicy:
         Raises:
             TenantError: the name is taken or cannot name a PEFT adapter.
         """
-        if spec.name in self.tenants:
+        if spec.name in self.tenants or spec.name == self._removed:
             raise TenantError(f"tenant {spec.name!r} exists already")
         if not spec.name or "." in spec.name:
             raise TenantError(f"a tenant name must be non-empty and without '.', got {spec.name!r}")
@@ -116,10 +117,33 @@ class TenantPolicy:
             self.model = peft.get_peft_model(self._base, config, adapter_name=spec.name)
         else:
             self.model.add_adapter(spec.name, config)
-        for name, param in self.model.named_parameters():  # PEFT trains only its active adapter
-            param.requires_grad_(".lora_" in name)
         self.tenants[spec.name] = spec
         self._optimizers[spec.name] = torch.optim.AdamW(self.parameters(spec.name).values())
+        if self._removed is not None:
+            self._delete(self._removed)
+            self._removed = None
+        self._train_every_adapter()
+
+    def remove(self, tenant: str) -> None:
+        """Forget `tenant`: its adapter and optimizer state go (its name may be used again). PEFT cannot
+        hold a model without adapters, so the last one goes only when the next tenant is added."""
+        self._require(tenant)
+        del self.tenants[tenant], self._optimizers[tenant]
+        if self.tenants:
+            self._delete(tenant)
+        else:
+            self._removed = tenant
+
+    def _delete(self, adapter: str) -> None:
+        """Delete a PEFT adapter; PEFT's model-level active adapter must then name one that exists."""
+        self.model.delete_adapter(adapter)
+        self.model.set_adapter(next(iter(self.tenants)))
+        self._train_every_adapter()
+
+    def _train_every_adapter(self) -> None:
+        """Every tenant's LoRA weights trainable (PEFT makes only its active adapter trainable)."""
+        for name, param in self.model.named_parameters():
+            param.requires_grad_(".lora_" in name)
 
     def parameters(self, tenant: str) -> dict[str, nn.Parameter]:
         """`tenant`'s LoRA parameters by PEFT name (`...q_proj.lora_A.<tenant>.weight`)."""

@@ -38,6 +38,11 @@ class Samplers:
         if self._serving is not None:
             self._serving.add_tenant(tenant)
 
+    async def remove_tenant(self, tenant: str) -> None:
+        """Unload `tenant`'s versions and free its slots; its sampling sessions then fail clearly."""
+        if self._serving is not None:
+            await self._serving.remove_tenant(tenant)
+
     async def publish(self, source: PolicySource, model_id: str, name: str | None) -> dict:
         """Publish `source`'s tenant as its next version (delivery-verified): a new sampling session of
         it (`name` None), or sampler weights at `tinker://<model id>/sampler_weights/<name>`."""

@@ -107,6 +107,7 @@ class TenantService:
         self.sampling = Samplers(serving, self.futures)
         self.pass_sizes: list[int] = []  # tenants in each forward_backward pass, in order
         self._session_ids = itertools.count(1)
+        self._tenant_ids = itertools.count(1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -132,8 +133,18 @@ class TenantService:
         self.sessions[session_id] = []
         return session_id
 
-    def finish_session(self, session_id: str) -> None:
-        self._session(session_id)
+    async def finish_session(self, session_id: str) -> None:
+        """End a session: once each of its models' queued operations are done, its tenant goes (versions
+        unloaded, engine slots and the adapter's memory freed) and its id is unknown from then on."""
+        for model_id in self._session(session_id):
+            model = self.models[model_id]
+            while model.busy or model.waiting:
+                await asyncio.sleep(0.05)
+            del self.models[model_id]
+            await self.sampling.remove_tenant(model.tenant)
+            await self.run_on_model(functools.partial(self.policy.remove, model.tenant))
+            log.info("model %s (tenant %s) released: its session finished", model_id, model.tenant)
+        del self.sessions[session_id]
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: dict) -> str:
         """A new tenant for `lora` (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.
@@ -174,7 +185,7 @@ class TenantService:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             raise RequestFailed(f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
-        tenant = f"tenant{len(self.models) + 1}"
+        tenant = f"tenant{next(self._tenant_ids)}"  # never reused: nor are its adapters' names
         self.sampling.add_tenant(tenant)
         self.models[model_id] = model = Model(model_id, tenant, rank)
         self.sessions[session_id].append(model_id)

@@ -169,6 +169,13 @@ class TenantServing:
         async with self._tenants[tenant].inflight.use(version):
             return await score(prompt, adapter=adapter)
 
+    async def remove_tenant(self, tenant: str) -> None:
+        """Unload `tenant`'s versions (waiting for the requests running on them) and free its slots."""
+        state = self._tenant(tenant)
+        async with state.lock:
+            await state.sync.close()
+        del self._tenants[tenant]
+
     async def close(self) -> None:
         """Unload every tenant's versions (waiting for the requests running on them)."""
         for state in self._tenants.values():

@@ -135,3 +135,20 @@ def test_bad_requests_are_refused_by_name(base_dir):
     with pytest.raises(TenantError, match="needs 'advantages' with one value per scored position"):
         policy.forward_backward([Datum("alice", [1, 2, 3], {"logprobs": [0, 0]})], "ppo")
     assert policy.optim_step("alice").refused.startswith("no gradients")
+
+
+def test_removed_tenants_free_their_adapters_and_the_rest_train_on(base_dir):
+    policy = _train(base_dir, SPECS[:2], 1, "cross_entropy")
+    bob = {k: p.detach().clone() for k, p in policy.parameters("bob").items()}
+    policy.remove("alice")
+    assert "alice" not in policy.model.peft_config and list(policy.tenants) == ["bob"]
+    with pytest.raises(TenantError, match="unknown tenant 'alice'"):
+        policy.forward_backward(_datums("alice", 0, "cross_entropy"), "cross_entropy")
+    assert all(torch.equal(p, bob[k]) for k, p in policy.parameters("bob").items())
+    policy.remove("bob")  # the last: PEFT keeps it until the next tenant exists
+    with pytest.raises(TenantError, match="exists already"):
+        policy.add(SPECS[1])
+    policy.add(SPECS[2])
+    assert list(policy.model.peft_config) == ["carol"]
+    policy.forward_backward(_datums("carol", 0, "cross_entropy"), "cross_entropy")
+    assert policy.optim_step("carol", ADAM["carol"]).applied
