@@ -103,27 +103,19 @@ def run_recipes(model_dir: Path, base_url: str, key: str, site: Path, out: Path,
     return {name: rewards(log_path) for name, log_path in logs.items()}
 
 
-def _base(model: str, console: Console) -> Path:
-    from graft.models.loading import require_model_dir
-    from graft.models.packaged import PACKAGED_MODELS, packaged_model_dir
-
-    if model in PACKAGED_MODELS:
-        return packaged_model_dir(model, log=lambda message: console.print(message))
-    return require_model_dir(model)
-
-
 def measure(args: argparse.Namespace, console: Console) -> dict:
     """Launch vLLM and the Tinker service, run the recipes; the per-tenant rewards and pass sizes."""
     import contextlib
 
     from graft.models.cache import default_cache_dir
+    from graft.models.packaged import base_model_dir
     from graft.rollout.vllm.client import VllmClient
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
     from graft.tenants.background import ServiceThread
     from graft.tenants.command import tenant_service
 
     site = cookbook_site(default_cache_dir(), console)
-    model_dir = _base(args.model, console)
+    model_dir = base_model_dir(args.model, log=lambda message: console.print(message))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     key = "tml-" + secrets.token_hex(16)

