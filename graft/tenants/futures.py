@@ -80,10 +80,13 @@ class Futures:
 def as_failure(error: Exception) -> RequestFailed:
     """The client's view of `error`: the request's fault (bad input) or the server's."""
     if isinstance(error, RequestFailed):
+        log.warning("request failed: %s", error)
         return error
     if isinstance(error, TenantError | ValueError):
+        log.warning("request failed: %s", error)
         return RequestFailed(str(error), "user")
     if isinstance(error, EngineError):
+        log.warning("request failed: inference engine: %s", error)
         return RequestFailed(f"inference engine: {error}", "server")
     log.exception("request failed", exc_info=error)
     return RequestFailed(f"{type(error).__name__}: {error}", "server")

@@ -104,6 +104,7 @@ class TenantService:
         self.futures = Futures()
         self.models: dict[str, Model] = {}
         self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
+        self._finished: set[str] = set()
         self.sampling = Samplers(serving, self.futures)
         self.pass_sizes: list[int] = []  # tenants in each forward_backward pass, in order
         self._session_ids = itertools.count(1)
@@ -136,10 +137,17 @@ class TenantService:
     async def finish_session(self, session_id: str) -> None:
         """End a session: once each of its models' queued operations are done, its tenant goes (versions
         unloaded, engine slots and the adapter's memory freed) and its id is unknown from then on."""
-        for model_id in self._session(session_id):
+        if session_id in self._finished:
+            return  # a retried finish (the SDK resends one whose answer it did not get)
+        models = self._session(session_id)
+        self._finished.add(session_id)
+        for model_id in models:
             model = self.models[model_id]
-            while model.busy or model.waiting:
+            while model.busy or model.next_seq in model.waiting:  # not for operations whose turn never comes
                 await asyncio.sleep(0.05)
+            for op in model.waiting.values():
+                if not op.future.done():
+                    op.future.set_exception(RequestFailed(f"session {session_id!r} finished before its turn"))
             del self.models[model_id]
             await self.sampling.remove_tenant(model.tenant)
             await self.run_on_model(functools.partial(self.policy.remove, model.tenant))

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from graft.config import ALL_LINEAR
-from graft.lora.attach import ADAPTER_NAME, lora_parameters
+from graft.lora.attach import lora_parameters
 from graft.models.loading import model_dtype
 from graft.train.dist import Dist, mesh_device
 
@@ -154,8 +154,9 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             plan[name] = split[how]()
             continue
         plan[f"{name}.base_layer"] = split[how]()
-        plan[f"{name}.lora_A.{ADAPTER_NAME}"] = Replicated() if how == COLWISE else Rowwise()
-        plan[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel() if how == COLWISE else Replicated()
+        for adapter in module.lora_A:  # every adapter of the layer (a multi-tenant model: one per tenant)
+            plan[f"{name}.lora_A.{adapter}"] = Replicated() if how == COLWISE else Rowwise()
+            plan[f"{name}.lora_B.{adapter}"] = ColwiseParallel() if how == COLWISE else Replicated()
     parallelize_module(model, tp_mesh, plan)
     plain = [name for name, param in lora_parameters(model).items() if not hasattr(param, "device_mesh")]
     if plain:
