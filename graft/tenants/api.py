@@ -15,6 +15,7 @@ first answer again, not a second operation.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -43,6 +44,7 @@ from graft.tenants.wire import (
     encode_sample_response,
 )
 
+log = logging.getLogger(__name__)
 PROTOBUF = "application/x-protobuf"
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
                  "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
@@ -141,6 +143,7 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
                 response = await handler(request)
             except (RequestFailed, WireError, ValueError, KeyError, TypeError) as error:
                 detail = str(error) if not isinstance(error, KeyError) else f"missing field {error}"
+                log.warning("%s refused: %s", path, detail)
                 response = JSONResponse({"detail": detail}, status_code=400)
             if key is not None and path != "/retrieve_future":
                 answers[key] = response

@@ -34,7 +34,7 @@ from graft.tenants.losses import LOSSES
 PASS_TOKENS = 4096  # padded tokens per forward pass (rows x longest row); more go in further passes
 
 
-def _chunks(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:
+def passes_of(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:
     """`datums` in order, cut into runs whose padded size (rows x longest) stays within `budget`
     (a longer datum alone is a run of its own)."""
     chunk: list[Datum] = []
@@ -189,7 +189,7 @@ class TenantPolicy:
         """
         losses_fn, needs = self._check(datums, loss)
         results = []
-        for chunk in _chunks(datums, self.pass_tokens):
+        for chunk in passes_of(datums, self.pass_tokens):
             results += self._pass(chunk, losses_fn, needs, backward)
         return results
 

@@ -37,7 +37,16 @@ from torch import nn
 
 from graft.lora.routing import routed
 from graft.tenants.losses import LOSSES
-from graft.tenants.policy import AdamParams, Datum, DatumResult, StepResult, TenantError, TenantPolicy, TenantSpec
+from graft.tenants.policy import (
+    AdamParams,
+    Datum,
+    DatumResult,
+    StepResult,
+    TenantError,
+    TenantPolicy,
+    TenantSpec,
+    passes_of,
+)
 from graft.train.dist import Dist, full_tensor
 from graft.train.parallelize import check_tensor_parallel, parallelize, reshard
 
@@ -94,14 +103,21 @@ class ShardedTenantPolicy(TenantPolicy):
         if self._on_any_rank(refused is not None):
             raise refused or TenantError("forward_backward refused: another rank's share was refused (its rank "
                                          "raised the reason); nothing ran")
-        if not datums:
+        passes = len(list(passes_of(datums, self.pass_tokens)))
+        most = int(self._max_over_ranks(passes))  # every rank makes as many passes (each one collectives)
+        for _ in range(most - passes):
             self._stand_in(backward)
+        if not datums:
             return []
         results = super().forward_backward(datums, loss, backward=backward)
         if backward:
             self._pending.update(datum.tenant for datum in datums)
-        else:  # FSDP2's root unit stays unsharded after a forward without a backward
-            reshard(self.model)
+        return results
+
+    def _pass(self, datums: Sequence[Datum], losses_fn, needs, backward: bool) -> list[DatumResult]:
+        results = super()._pass(datums, losses_fn, needs, backward)
+        if not backward:  # FSDP2's root unit stays unsharded after a forward without a backward, and the
+            reshard(self.model)  # next pass's all-gather must be one every rank makes (a stand-in's too)
         return results
 
     def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> StepResult:
@@ -130,11 +146,15 @@ class ShardedTenantPolicy(TenantPolicy):
 
     def _on_any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (a collective)."""
+        return bool(self._max_over_ranks(float(flag)))
+
+    def _max_over_ranks(self, value: float) -> float:
+        """The largest `value` of all ranks (a collective)."""
         if not self.ctx.active:
-            return flag
-        flags = torch.tensor([float(flag)], device=self.ctx.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags.item())
+            return value
+        values = torch.tensor([float(value)], device=self.ctx.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values.item()
 
     def _stand_in(self, backward: bool) -> None:
         """The forward (and backward) of a rank without datums: FSDP2 all-gathers each decoder layer in

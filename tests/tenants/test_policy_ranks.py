@@ -28,6 +28,9 @@ from tests.train.test_dist import init_gloo
 WORLD = 2
 STEPS = 3
 LOSS = "importance_sampling"
+# Padded tokens per pass: the ranks' shares (of different sizes) take different numbers of passes,
+# and the rank with fewer joins the others' collectives with stand-ins.
+PASS_TOKENS = 40
 PROBE = ([5, 17, 42, 9], [33, 7, 101])  # a prompt and completion each run scores after training
 ON_RANK_0 = {"alice": 2, "bob": 1, "carol": 3}  # of each tenant's 3 datums a step; carol's all on rank 0
 _ADAM = {"alice": AdamParams(learning_rate=1e-2), "bob": AdamParams(learning_rate=3e-3, beta2=0.99),
@@ -70,6 +73,7 @@ def _rank_main(rank: int, tp: int, model_dir, out_dir, poison: str | None) -> No
     try:
         ctx = mesh_dist(tp)
         policy = ShardedTenantPolicy(load_model(model_dir), SPECS, ctx)
+        policy.pass_tokens = PASS_TOKENS
         share = _shares(0)[ctx.dp_rank] if rank == 0 else [Datum("zed", [1, 2, 3], {})]  # rank 1's refused
         try:
             policy.forward_backward(share, LOSS)
@@ -101,7 +105,8 @@ def _one_process(model_dir, specs, *, ranks=(0, 1), steps=range(STEPS), poison=N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels
     try:
-        policy, results, losses = TenantPolicy(load_model(model_dir)), [], {rank: [] for rank in ranks}
+        policy = TenantPolicy(load_model(model_dir), pass_tokens=PASS_TOKENS)
+        results, losses = [], {rank: [] for rank in ranks}
         for spec in specs:
             policy.add(spec)
         names = {spec.name for spec in specs}
