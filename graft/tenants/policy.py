@@ -216,22 +216,31 @@ class TenantPolicy:
         gradients (a NaN loss) are cleared and the step refused: this tenant's adapter stays as it
         was, and no other tenant is touched."""
         params = list(self.parameters(tenant).values())
-        grads = [param.grad for param in params if param.grad is not None]
+        seen, grad_norm = self._grad_norm(tenant, params)
         optimizer = self._optimizers[tenant]
-        if not grads:
+        if not seen:
+            optimizer.zero_grad(set_to_none=True)
             return StepResult(False, 0.0, "no gradients: no forward_backward since its last step")
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return StepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
-        if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, torch.tensor(grad_norm))
+        if adam.grad_clip_norm > 0 and (coef := adam.grad_clip_norm / (grad_norm + 1e-6)) < 1.0:  # torch's
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(coef)
         for group in optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return StepResult(True, grad_norm)
+
+    def _grad_norm(self, tenant: str, params: list[nn.Parameter]) -> tuple[bool, float]:
+        """(whether `tenant` has gradients to step with, their whole norm)."""
+        grads = [param.grad for param in params if param.grad is not None]
+        if not grads:
+            return False, 0.0
+        return True, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
 
     @torch.no_grad()
     def logprobs(self, tenant: str, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:

@@ -38,10 +38,8 @@ from torch import nn
 from graft.lora.routing import routed
 from graft.tenants.losses import LOSSES
 from graft.tenants.policy import (
-    AdamParams,
     Datum,
     DatumResult,
-    StepResult,
     TenantError,
     TenantPolicy,
     TenantSpec,
@@ -120,30 +118,6 @@ class ShardedTenantPolicy(TenantPolicy):
             reshard(self.model)  # next pass's all-gather must be one every rank makes (a stand-in's too)
         return results
 
-    def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> StepResult:
-        """`TenantPolicy.optim_step` over all ranks: every rank calls it for the same tenants in the same
-        order. The gradient norm is the whole gradient's (one all-reduce), so every rank refuses a
-        non-finite one alike, wherever the NaN came from, and clips alike; AdamW steps the local shards."""
-        params = list(self.parameters(tenant).values())
-        seen, grad_norm = self._global_norm(tenant, params)
-        optimizer = self._optimizers[tenant]
-        if not seen:
-            optimizer.zero_grad(set_to_none=True)  # the zeros of an absent tenant (module docstring)
-            return StepResult(False, 0.0, "no gradients: no forward_backward since its last step")
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
-            return StepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
-        if adam.grad_clip_norm > 0 and (coef := adam.grad_clip_norm / (grad_norm + 1e-6)) < 1.0:  # torch's coefficient
-            for param in params:
-                if param.grad is not None:
-                    param.grad.mul_(coef)
-        for group in optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(True, grad_norm)
-
     def _on_any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (a collective)."""
         return bool(self._max_over_ranks(float(flag)))
@@ -185,10 +159,13 @@ class ShardedTenantPolicy(TenantPolicy):
         """`tenant`'s whole LoRA factors, as one process holds them (a collective on every rank)."""
         return {name: full_tensor(param.detach()) for name, param in self.parameters(tenant).items()}
 
-    def _global_norm(self, tenant: str, params: list[nn.Parameter]) -> tuple[bool, float]:
+    def _grad_norm(self, tenant: str, params: list[nn.Parameter]) -> tuple[bool, float]:
         """(whether any rank had datums of `tenant` since its last step, the norm of its whole
         gradient): each rank's share of the squares, weighted by how many ranks hold the same elements,
-        and its flag, summed in one all-reduce that every rank joins."""
+        and its flag, summed in one all-reduce that every rank joins. So every rank refuses a non-finite
+        gradient alike, wherever the NaN came from, and clips alike; `optim_step` (every rank calls it
+        for the same tenants in the same order) then steps the local shards. An absent tenant's zeros
+        (module docstring) are not "seen"."""
         device = self.ctx.device
         squares = sum((_local(p.grad).double().pow(2).sum().to(device) * self._weight(p.grad) for p in params
                        if p.grad is not None), torch.zeros((), dtype=torch.float64, device=device))
