@@ -53,6 +53,13 @@ DEFAULT_MAX_TOKENS = 256  # a sample request that names none (the SDK omits None
 _REMEMBERED_ANSWERS = 4096  # idempotency keys kept, newest
 
 
+class _Fields(dict):
+    """A request's JSON fields: a missing one is the client's error, named."""
+
+    def __missing__(self, key: str):
+        raise RequestFailed(f"missing field {key!r}")
+
+
 def datum_of(tenant: str, wire: WireDatum, index: int) -> Datum:
     """A Tinker datum as graft's: Tinker scores `target_tokens[i]` at input position i, which must be
     the next input token (the SDK's recipes build them so); graft keeps the sequence once, inputs + the
@@ -141,10 +148,9 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
                 return answers[key]
             try:
                 response = await handler(request)
-            except (RequestFailed, WireError, ValueError, KeyError, TypeError) as error:
-                detail = str(error) if not isinstance(error, KeyError) else f"missing field {error}"
-                log.warning("%s refused: %s", path, detail)
-                response = JSONResponse({"detail": detail}, status_code=400)
+            except (RequestFailed, WireError, ValueError, TypeError) as error:
+                log.warning("%s refused: %s", path, error)
+                response = JSONResponse({"detail": str(error)}, status_code=400)
             if key is not None and path != "/retrieve_future":
                 answers[key] = response
                 while len(answers) > _REMEMBERED_ANSWERS:
@@ -154,7 +160,10 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
 
     async def body(request: Request) -> dict:
         raw = await request.body()
-        return json.loads(raw) if raw else {}
+        fields = json.loads(raw) if raw else {}
+        if not isinstance(fields, dict):
+            raise RequestFailed("the request body must be a JSON object")
+        return _Fields(fields)
 
     def future(request_id: str, **extra) -> JSONResponse:
         return JSONResponse({"request_id": request_id, **extra})

