@@ -165,7 +165,7 @@ def plot_rewards(result: dict, path: Path) -> Path:
         ax.plot(range(1, len(series) + 1), series, "o-", label=name)
     settings = result["settings"]
     ax.set_xlabel("training step (one batch of the recipe)")
-    ax.set_ylabel("mean reward of the step's samples (1 = right sum)")
+    ax.set_ylabel("mean reward of the step's samples\n(1 right sum, -0.1 no stop sequence)")
     ax.set_title(f"tinker-cookbook math_rl (env=arithmetic), {result['tenants']} tenants at once on one graft service\n"
                  f"{result['model']}, LoRA r{settings['rank']}, {settings['groups_per_batch']} x "
                  f"{settings['group_size']} samples per step", fontsize=10)
