@@ -247,7 +247,7 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
     async def retrieve(request: Request) -> Response:
         request_id = (await body(request))["request_id"]
         if request_id not in service.futures:
-            return JSONResponse({"detail": f"unknown request {request_id!r} (or its result was fetched)"},
+            return JSONResponse({"detail": f"unknown request {request_id!r} (or fetched long ago)"},
                                 status_code=404)
         result = await service.futures.wait(request_id, poll_seconds)
         if result is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from graft.rollout.engine import EngineError
@@ -29,11 +30,14 @@ class RequestFailed(Exception):
 
 
 class Futures:
-    """Request id -> its pending or finished result. Results stay until the client has fetched them
-    once (the SDK caches a result and never asks twice), then are dropped."""
+    """Request id -> its pending or finished result. A fetched result is kept among the newest
+    `keep_fetched` (the SDK may ask twice: the cookbook's supervised loop fetched one optim_step's
+    result a second time, and a 404 then failed the run), older ones are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_fetched: int = 4096) -> None:
         self._futures: dict[str, asyncio.Future] = {}
+        self._fetched: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self._keep = keep_fetched
         self._ids = itertools.count(1)
 
     def new(self) -> tuple[str, asyncio.Future]:
@@ -44,23 +48,26 @@ class Futures:
         return request_id, future
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._futures
+        return request_id in self._futures or request_id in self._fetched
 
     async def wait(self, request_id: str, timeout: float) -> Any:
         """The result of `request_id` (the object its op produced; a `RequestFailed` for a failed
         request), or None if it is not ready within `timeout` seconds.
 
         Raises:
-            KeyError: no such request (never made, or its result was fetched already).
+            KeyError: no such request (never made, or fetched long ago).
         """
-        future = self._futures[request_id]
+        future = self._futures.get(request_id) or self._fetched[request_id]
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
             return None
         except RequestFailed:
             pass
-        self._futures.pop(request_id, None)
+        if self._futures.pop(request_id, None) is not None:
+            self._fetched[request_id] = future
+            while len(self._fetched) > self._keep:
+                self._fetched.popitem(last=False)
         return future.exception() or future.result()
 
     def job(self, work) -> str:
