@@ -135,13 +135,14 @@ def measure(args: argparse.Namespace, console: Console) -> dict:
             start = time.perf_counter()
             per_tenant = run_recipes(model_dir, running.url, key, site, out, args, console)
             seconds = time.perf_counter() - start
-            passes = list(running.service.pass_sizes)
+            passes = dict(running.service.pass_sizes)
     finally:
         server.__exit__(None, None, None)
     return {"model": args.model, "tenants": args.tenants, "steps": args.steps, "seconds": round(seconds, 1),
             "settings": {"group_size": args.group_size, "groups_per_batch": args.groups, "rank": args.rank,
                          "learning_rate": args.learning_rate, "max_tokens": args.max_tokens},
-            "rewards": per_tenant, "passes": len(passes), "shared_passes": sum(size > 1 for size in passes)}
+            "rewards": per_tenant, "passes": sum(passes.values()),
+            "shared_passes": sum(count for size, count in passes.items() if size > 1)}
 
 
 def summarise(result: dict, window: int) -> dict:

@@ -11,8 +11,6 @@ share each pass over the frozen base. A first pass waits `batch_window_s` for ot
 tenants' clients are independent programs, and a pass that had just started would hold every later
 tenant back by a whole pass. All model work runs on one thread, one job at a time; HTTP handling,
 sampling and adapter syncs run on the event loop beside it.
-
-Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -75,7 +74,6 @@ class Model:
     next_seq: int = 1
     waiting: dict[int, Op] = field(default_factory=dict)
     busy: bool = False
-    samplers: int = 0
 
 
 class TenantService:
@@ -96,7 +94,6 @@ class TenantService:
                  state_root: Path, batch_window_s: float = 0.01) -> None:
         self.policy = policy
         self.state_root = state_root
-        self.serving = serving
         self.base_model = base_model
         self.tokenizer_id = tokenizer_id
         self.max_rank = max_rank
@@ -106,7 +103,7 @@ class TenantService:
         self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
         self._finished: set[str] = set()
         self.sampling = Samplers(serving, self.futures)
-        self.pass_sizes: list[int] = []  # tenants in each forward_backward pass, in order
+        self.pass_sizes: Counter[int] = Counter()  # tenants in a forward_backward pass -> passes so far
         self._session_ids = itertools.count(1)
         self._tenant_ids = itertools.count(1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
@@ -318,7 +315,7 @@ class TenantService:
             return [ForwardResult(results[start:end]) for start, end in itertools.pairwise(starts)]
 
         log.debug("one pass for %d tenant(s): %d datums, %s", len(ops), len(datums), loss)
-        self.pass_sizes.append(len(ops))
+        self.pass_sizes[len(ops)] += 1
         await self._run(models, ops, self.run_on_model(one_pass))
 
     async def _single(self, model: Model, op: Op) -> Any:
