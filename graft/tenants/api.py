@@ -178,6 +178,11 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
             raise
         return future(service.submit(model_id, int(seq_id), kind, made), model_id=model_id)
 
+    async def heartbeat(request: Request) -> Response:
+        if service.heartbeat((await body(request))["session_id"]):
+            return JSONResponse({"type": "session_heartbeat"})
+        return JSONResponse({"detail": "the session is finished"}, status_code=410)  # the SDK stops beating
+
     async def create_session(request: Request) -> Response:
         return JSONResponse({"session_id": service.create_session(), "type": "create_session"})
 
@@ -263,7 +268,7 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
     return Starlette(routes=[
         route("/client/config", answer(CLIENT_CONFIG)),
         route("/client/dynamic_config", answer({})),
-        route("/session_heartbeat", answer({"type": "session_heartbeat"})),
+        route("/session_heartbeat", heartbeat),
         route("/telemetry", answer({"status": "accepted"})),
         route("/healthz", answer({"status": "ok"}), "GET"),
         route("/get_server_capabilities", answer(capabilities), "GET"),

@@ -30,7 +30,7 @@ def check_api_key(key: str) -> str:
 @contextlib.asynccontextmanager
 async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: int, max_rank: int,
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
-                         batch_window_s: float = 0.01) -> AsyncIterator:
+                         batch_window_s: float = 0.01, session_timeout_s: float = 300.0) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training
     only, sampling refused)."""
@@ -44,7 +44,8 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
     serving = (TenantServing(engine, run_dir / "adapters", max_loras=max_loras, keep_versions=keep_versions)
                if engine is not None else None)
     service = TenantService(policy, serving, base_model=base_model or str(model_dir), tokenizer_id=str(model_dir),
-                            max_rank=max_rank, state_root=run_dir / "states", batch_window_s=batch_window_s)
+                            max_rank=max_rank, state_root=run_dir / "states", batch_window_s=batch_window_s,
+                            session_timeout_s=session_timeout_s)
     service.start()
     try:
         yield service

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -88,10 +89,13 @@ class TenantService:
         max_rank: the largest LoRA rank the engine serves.
         state_root: where `save_state` writes tenants' states (graft.tenants.checkpoint).
         batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
+        session_timeout_s: a session not heard from for this long (the SDK sends a heartbeat every
+            10 s while its client lives) is finished as if its client had closed it: a client that
+            died without closing would otherwise hold its tenants' engine slots for good.
     """
 
     def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
-                 state_root: Path, batch_window_s: float = 0.01) -> None:
+                 state_root: Path, batch_window_s: float = 0.01, session_timeout_s: float = 300.0) -> None:
         self.policy = policy
         self.state_root = state_root
         self.base_model = base_model
@@ -102,6 +106,8 @@ class TenantService:
         self.models: dict[str, Model] = {}
         self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
         self._finished: set[str] = set()
+        self._heard: dict[str, float] = {}  # session id -> when it last sent a heartbeat (monotonic)
+        self.session_timeout_s = session_timeout_s
         self.sampling = Samplers(serving, self.futures)
         self.pass_sizes: Counter[int] = Counter()  # tenants in a forward_backward pass -> passes so far
         self._session_ids = itertools.count(1)
@@ -109,6 +115,7 @@ class TenantService:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
 
     async def run_on_model(self, job: Callable[[], T]) -> T:
         """`job()` on the model's thread, after the jobs before it."""
@@ -116,11 +123,14 @@ class TenantService:
 
     def start(self) -> None:
         """Start scheduling operations (on the running event loop)."""
-        self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+        loop = asyncio.get_running_loop()
+        self._scheduler = loop.create_task(self._schedule())
+        self._reaper = loop.create_task(self._expire_silent_sessions())
 
     async def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
+        for task in (self._scheduler, self._reaper):
+            if task is not None:
+                task.cancel()
         await self.sampling.close()
         self._thread.shutdown(wait=True)
 
@@ -129,7 +139,25 @@ class TenantService:
     def create_session(self) -> str:
         session_id = f"session-{next(self._session_ids)}"
         self.sessions[session_id] = []
+        self._heard[session_id] = time.monotonic()
         return session_id
+
+    def heartbeat(self, session_id: str) -> bool:
+        """Note that `session_id`'s client lives; False when the session is finished (or unknown)."""
+        if session_id not in self.sessions or session_id in self._finished:
+            return False
+        self._heard[session_id] = time.monotonic()
+        return True
+
+    async def _expire_silent_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(min(30.0, self.session_timeout_s / 2))
+            now = time.monotonic()
+            for session_id, heard in list(self._heard.items()):
+                if now - heard > self.session_timeout_s and session_id not in self._finished:
+                    log.warning("session %s sent no heartbeat for %.0f s: finished, its tenants released",
+                                session_id, now - heard)
+                    await self.finish_session(session_id)
 
     async def finish_session(self, session_id: str) -> None:
         """End a session: once each of its models' queued operations are done, its tenant goes (versions
@@ -150,6 +178,7 @@ class TenantService:
             await self.run_on_model(functools.partial(self.policy.remove, model.tenant))
             log.info("model %s (tenant %s) released: its session finished", model_id, model.tenant)
         del self.sessions[session_id]
+        self._heard.pop(session_id, None)
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: dict) -> str:
         """A new tenant for `lora` (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.

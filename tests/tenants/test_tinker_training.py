@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import tinker
@@ -162,3 +163,25 @@ def test_saved_state_resumes_exactly_and_is_a_peft_adapter(running, base_dir):
     assert loaded.keys() == uninterrupted.keys()
     with pytest.raises(tinker.BadRequestError, match="not a training state path"):
         service_client.create_training_client_from_state("tinker://nowhere").result()
+
+
+def test_a_silent_session_is_finished_and_its_tenant_released(base_dir, tmp_path):
+    """A client that stops sending heartbeats (it died) loses its session after the timeout; its
+    tenant goes, and requests naming it are refused."""
+    with ServiceThread(lambda: tenant_service(base_dir, None, run_dir=tmp_path, max_loras=4, max_rank=8,
+                                              session_timeout_s=1.0), API_KEY) as running:
+        session = running.call(_session_with_a_model(running.service))
+        assert len(running.service.models) == 1
+        deadline = time.monotonic() + 10
+        while running.service.models and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running.service.models == {} and session not in running.service.sessions
+        assert running.service.policy.tenants == {}
+        assert running.service.heartbeat(session) is False  # the SDK's heartbeat then gets 410 and stops
+
+
+async def _session_with_a_model(service) -> str:
+    session = service.create_session()
+    request_id = service.create_model(session, 0, service.base_model, {"rank": 2})
+    assert (await service.futures.wait(request_id, 60))["model_id"] == f"{session}:train:0"
+    return session
