@@ -63,6 +63,7 @@ from graft.rollout.http_util import error_for, gather_cancel_on_error, send, ser
 
 _FINISH_REASONS = ("stop", "length")
 _RETRY_BASE_S = 0.2
+_FLUSH_TRIES, _FLUSH_WAIT_S = 20, 0.25  # a weight update's cache flush, retried while requests drain
 
 
 # --- request building (pure) -------------------------------------------------------------------
@@ -158,6 +159,12 @@ def parse_lora_update(body: Any, status: int, *, address: str, route: str) -> di
     if not body["success"]:
         raise error_for("sglang", status, str(body.get("error_message") or ""), address=address, route=route)
     return body.get("loaded_adapters")
+
+
+def _updated_but_not_flushed(body: Any) -> bool:
+    """SGLang's answer when it updated the weights but kept the prefix cache (requests were running)."""
+    return isinstance(body, dict) and "weights were updated" in str(body.get("message", "")).lower() \
+        and "not flushed" in str(body.get("message", "")).lower()
 
 
 def check_weights_update(body: Any, status: int, *, address: str) -> None:
@@ -264,14 +271,21 @@ class SglangClient:
         """
         status, body = await self._call("POST", "/update_weights_from_disk", build_update_weights_payload(path),
                                         timeout_s=self.request_timeout_s)
-        check_weights_update(body, status, address=self.address)
-        try:
-            await self._call("POST", "/flush_cache")
-        except BadRequestError as exc:
-            # SGLang answers 400 with the same "Cache flushed. ..." text it sends on success.
-            raise EngineError(f"weights updated from {path} but the prefix cache was NOT flushed (SGLang "
-                              f"refuses while requests are running or waiting): {exc.server_message}",
-                              address=self.address, status=exc.status) from exc
+        if not _updated_but_not_flushed(body):  # that one the flush below finishes
+            check_weights_update(body, status, address=self.address)
+        for attempt in range(_FLUSH_TRIES):
+            try:
+                await self._call("POST", "/flush_cache")
+                return
+            except BadRequestError as exc:
+                # SGLang refuses while requests are running or waiting: a request that was finishing
+                # (or being aborted) when the update came drains in well under a second.
+                if attempt == _FLUSH_TRIES - 1:
+                    raise EngineError(f"weights updated from {path} but the prefix cache was NOT flushed (SGLang "
+                                      f"refuses while requests are running or waiting, still after "
+                                      f"{_FLUSH_TRIES * _FLUSH_WAIT_S:.0f} s): {exc.server_message}",
+                                      address=self.address, status=exc.status) from exc
+                await asyncio.sleep(_FLUSH_WAIT_S)
 
     async def health(self) -> EngineHealth:
         """`GET /health` (SGLang generates one token); unhealthy with the reason instead of raising."""

@@ -156,6 +156,10 @@ UPDATE_WEIGHTS_OK = (200, {"success": True, "message": "Succeeded to update mode
 UPDATE_WEIGHTS_FAILED = (400, {"success": False, "message": (
     "Failed to get weights iterator: /runs/r1/weights/merged-v000099 (repr: FileNotFoundError). "
     "Rolling back to original weights."), "num_paused_requests": 0})
+# Seen from SGLang 0.5.23 (this machine) when requests were still running at the update.
+UPDATE_WEIGHTS_NOT_FLUSHED = (400, {"success": False, "message": (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."), "num_paused_requests": 0})
 # http_server.flush_cache: plain text, 200 if FlushCacheReqOutput.success else 400 (same text).
 FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
                     "(When there are running or waiting requests, the operation will not be performed.)\n")

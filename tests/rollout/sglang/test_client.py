@@ -138,6 +138,7 @@ class FakeSglang:
         self.answers: dict[str, list[tuple[int, object]]] = {}
         self.loaded: dict[str, str] = {}
         self.next_answer: dict[str, tuple[int, object]] = {}  # path -> answer for its next call only
+        self.flush_refusals = 0  # /flush_cache calls still to refuse (requests "running")
         self.generate_delay_s = 0.0
         self.api_key: str | None = None  # SGLang's --api-key: every route but /health needs the Bearer key
         self.active = self.peak_active = 0
@@ -235,6 +236,9 @@ class FakeSglang:
         if path == "/update_weights_from_disk":
             return shapes.UPDATE_WEIGHTS_OK
         if path == "/flush_cache":
+            if self.flush_refusals:
+                self.flush_refusals -= 1
+                return shapes.FLUSH_CACHE_REFUSED
             return shapes.FLUSH_CACHE_OK
         return 404, {"detail": "Not Found"}
 
@@ -320,17 +324,33 @@ def test_generate_refuses_an_adapter_it_unloaded_without_asking_sglang(fake):
     asyncio.run(flow())
 
 
-def test_reload_failures_carry_sglang_message(fake):
+def test_reload_failures_carry_sglang_message(fake, monkeypatch):
+    monkeypatch.setattr("graft.rollout.sglang.client._FLUSH_WAIT_S", 0.0)
     async def flow():
         async with SglangClient(fake.url) as client:
             fake.next_answer["/update_weights_from_disk"] = shapes.UPDATE_WEIGHTS_FAILED
             with pytest.raises(EngineError, match="Rolling back to original weights"):
                 await client.reload_weights("/runs/r1/weights/merged-v000099")
             assert "/flush_cache" not in fake.paths()
-            fake.next_answer["/flush_cache"] = shapes.FLUSH_CACHE_REFUSED
+            fake.flush_refusals = 10**6  # requests that never finish
             with pytest.raises(EngineError, match="NOT flushed") as info:
                 await client.reload_weights("/runs/r1/weights/merged-v000004")
             assert info.value.address == fake.url and info.value.status == 400
+
+    asyncio.run(flow())
+
+
+def test_a_reload_waits_for_running_requests_to_flush_the_cache(fake, monkeypatch):
+    """Weights updated while requests ran: SGLang keeps the prefix cache; the flush is retried until
+    they drained, so no request is served from the old weights' cache after the reload returns."""
+    monkeypatch.setattr("graft.rollout.sglang.client._FLUSH_WAIT_S", 0.01)
+
+    async def flow():
+        async with SglangClient(fake.url) as client:
+            fake.next_answer["/update_weights_from_disk"] = shapes.UPDATE_WEIGHTS_NOT_FLUSHED
+            fake.flush_refusals = 2
+            await client.reload_weights("/runs/r1/weights/merged-v000004")
+            assert fake.paths().count("/flush_cache") == 3 and fake.flush_refusals == 0
 
     asyncio.run(flow())
 
