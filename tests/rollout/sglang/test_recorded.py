@@ -15,7 +15,8 @@ from graft.rollout.http_util import error_for, server_message
 from graft.rollout.sglang import client as sc
 from graft.rollout.sglang.client import SglangClient
 from tests.rollout.sglang import shapes
-from tests.rollout.sglang.test_client import ADDRESS, FakeSglang
+from tests.rollout.sglang.fake_server import FakeSglang
+from tests.rollout.sglang.test_client import ADDRESS
 
 
 @pytest.fixture
