@@ -2,8 +2,9 @@
 
 Runs as `python -m graft.bench.trl_memory_worker SPEC.json OUT.json` in the TRL virtualenv
 (`graft.bench.trl_env.run_trl`), one fresh process per measurement, so its `ru_maxrss` is this
-update's alone. From graft it imports only `graft.bench.memory_shape` (torch and transformers):
-the same seed gives the same weights, token ids and ragged lengths as graft's measurement.
+update's alone. From graft it imports `graft.bench.memory_shape` (torch and transformers) and the
+e2e worker's micro-batch rule (`graft.bench.trl_worker`, pure Python): the same seed gives the same
+weights, token ids and ragged lengths as graft's measurement.
 
 Generation is replaced, not timed: `_generate_and_score_completions` returns the fixed batch in
 the form TRL's own returns, and everything after it is TRL's real training path (`train()` for one
@@ -21,9 +22,8 @@ import time
 from pathlib import Path
 
 from graft.bench.memory_shape import GROUP, PAD_ID, build_model, memory_batch, trl_generation_batch, unpadded_rows
+from graft.bench.trl_worker import rows_within_budget
 
-# graft's train.max_tokens_per_micro_batch default: padded tokens per forward/backward.
-GRAFT_TOKEN_BUDGET = 8192
 CONFIGS = ("trl-defaults", "graft-settings")
 
 
@@ -34,8 +34,7 @@ def micro_batch_rows(config: str, sequences: int, padded_length: int) -> int:
     TRL's padded length (TRL pads every completion to the generation batch's longest)."""
     if config == "trl-defaults":
         return min(8, sequences)
-    fits = [n for n in range(1, sequences + 1) if sequences % n == 0 and n * padded_length <= GRAFT_TOKEN_BUDGET]
-    return max(fits, default=1)
+    return rows_within_budget(sequences, padded_length)
 
 
 def trl_memory_arguments(config: str, sequences: int, padded_length: int, output_dir: str) -> dict:

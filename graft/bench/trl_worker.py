@@ -22,6 +22,15 @@ from pathlib import Path
 from graft.config import DataConfig
 from graft.tasks import Example, get_reward, load_task_data
 
+# graft's train.max_tokens_per_micro_batch default: padded tokens per forward/backward.
+GRAFT_TOKEN_BUDGET = 8192
+
+
+def rows_within_budget(rows: int, padded_length: int, budget: int = GRAFT_TOKEN_BUDGET) -> int:
+    """The most rows dividing `rows` (TRL needs its micro-batch to divide the mini-batch) whose
+    padded tokens fit `budget`; 1 at least."""
+    return max((n for n in range(1, rows + 1) if rows % n == 0 and n * padded_length <= budget), default=1)
+
 
 def prompt_rows(examples: list[Example]) -> list[dict]:
     """Dataset rows TRL applies the tokenizer's chat template to: one user turn, like graft's
@@ -42,7 +51,7 @@ def reward_function(examples: list[Example], reward_name: str):
     return graft_reward
 
 
-def trl_arguments(spec: dict, output_dir: str) -> dict:
+def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0) -> dict:
     """GRPOConfig keyword arguments equal to graft's settings for the spec.
 
     One rollout batch is `prompts x samples` completions, split into `mini_batches` optimizer steps
@@ -54,19 +63,31 @@ def trl_arguments(spec: dict, output_dir: str) -> dict:
     learning rate.
     Gradient checkpointing is off: graft does not checkpoint, and on a model this small TRL's
     default (on) would only make TRL slower.
+    A mini-batch runs in micro-batches of graft's token budget at TRL's `padded_length` (prompt +
+    completion), gradients accumulated: at SmolLM2's vocabulary one 128-row micro-batch got TRL
+    killed for memory; the toy points' mini-batches fit the budget whole.
     """
-    completions = spec["prompts"] * spec["samples"]
+    rows = spec["prompts"] * spec["samples"] // spec["mini_batches"]
+    micro_rows = rows_within_budget(rows, padded_length)
     return dict(
         output_dir=output_dir, use_cpu=True, use_vllm=False, bf16=False, fp16=False,
         gradient_checkpointing=False, seed=spec["seed"], data_seed=spec["seed"],
-        per_device_train_batch_size=completions // spec["mini_batches"], gradient_accumulation_steps=1,
-        steps_per_generation=spec["mini_batches"], num_generations=spec["samples"], num_iterations=1,
+        per_device_train_batch_size=micro_rows, gradient_accumulation_steps=rows // micro_rows,
+        steps_per_generation=spec["mini_batches"] * (rows // micro_rows), num_generations=spec["samples"],
+        num_iterations=1,
         max_completion_length=spec["max_new_tokens"], temperature=spec.get("temperature", 1.0), top_p=1.0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
         optim="adamw_torch", max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group",
         max_steps=spec["steps"], logging_steps=spec.get("logging_steps", 10**9), save_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,
     )
+
+
+def padded_length(tokenizer, examples: list[Example], spec: dict) -> int:
+    """The longest row TRL can pad to: the longest chat-templated prompt + max new tokens."""
+    texts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+             for row in prompt_rows(examples)]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) + spec["max_new_tokens"]
 
 
 def run(spec: dict) -> dict:
@@ -134,7 +155,8 @@ def run(spec: dict) -> dict:
         model=model, processing_class=tokenizer, peft_config=lora,
         reward_funcs=reward_function(train_set, spec["reward"]),
         train_dataset=Dataset.from_list(prompt_rows(train_set)),
-        args=GRPOConfig(**trl_arguments(spec, "trl-output")), callbacks=[StepClock()],
+        args=GRPOConfig(**trl_arguments(spec, "trl-output", padded_length(tokenizer, train_set, spec))),
+        callbacks=[StepClock()],
     )
     setup_seconds = time.perf_counter() - setup_start
     trainer.train()

@@ -65,6 +65,21 @@ def test_trl_arguments_match_graft_settings(base_dir):
     assert config.rollout.max_staleness == 0 and config.train.mini_batches == 1
 
 
+def test_trl_micro_batches_keep_to_graft_token_budget_with_the_same_optimizer_steps(base_dir):
+    spec = {**trl_spec(base_dir, Workload("big", prompts=16, samples=8, max_new_tokens=32), 5, 0), "mini_batches": 2}
+    whole = trl_arguments(spec, "out", padded_length=100)  # 64 rows x 100 tokens fit 8192
+    assert (whole["per_device_train_batch_size"], whole["gradient_accumulation_steps"]) == (64, 1)
+    # SmolLM2's padded rows (78 tokens at 32 new) no longer fit 64 to a micro-batch: 2 x 32 accumulated.
+    split = trl_arguments({**spec, "mini_batches": 1}, "out", padded_length=78)
+    assert (split["per_device_train_batch_size"], split["gradient_accumulation_steps"]) == (64, 2)
+    long = trl_arguments(spec, "out", padded_length=300)
+    assert long["per_device_train_batch_size"] * 300 <= 8192 and 64 % long["per_device_train_batch_size"] == 0
+    for args in (whole, split, long):  # one generation batch = the rollout batch, mini_batches optimizer steps
+        rows = args["per_device_train_batch_size"] * args["steps_per_generation"]
+        assert rows == 128 and args["steps_per_generation"] // args["gradient_accumulation_steps"] in (1, 2)
+    assert long["steps_per_generation"] // long["gradient_accumulation_steps"] == 2
+
+
 def test_each_graft_side_gets_the_server_setting_graft_train_would_launch(tmp_path, base_dir):
     from graft.models.tiny import build_tiny_model
 
