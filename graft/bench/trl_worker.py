@@ -24,12 +24,21 @@ from graft.tasks import Example, get_reward, load_task_data
 
 # graft's train.max_tokens_per_micro_batch default: padded tokens per forward/backward.
 GRAFT_TOKEN_BUDGET = 8192
+# TRL without gradient checkpointing keeps every layer's activations of a micro-batch: at most this many
+# hidden values (rows x padded tokens x layers x hidden). Measured on this 23 GiB machine at SmolLM2:
+# 86M (64 rows x 78 tokens) was killed for memory beside the e2e bench's two vLLM servers; 69M (64 x 62)
+# ran beside the learning bench's one.
+TRL_ACTIVATION_BUDGET = 72_000_000
 
 
-def rows_within_budget(rows: int, padded_length: int, budget: int = GRAFT_TOKEN_BUDGET) -> int:
-    """The most rows dividing `rows` (TRL needs its micro-batch to divide the mini-batch) whose
-    padded tokens fit `budget`; 1 at least."""
-    return max((n for n in range(1, rows + 1) if rows % n == 0 and n * padded_length <= budget), default=1)
+def rows_within_budget(rows: int, padded_length: int, layer_width: int = 0) -> int:
+    """The most rows dividing `rows` (TRL needs its micro-batch to divide the mini-batch) whose padded
+    tokens fit graft's token budget and, given `layer_width` (layers x hidden), whose activations fit
+    `TRL_ACTIVATION_BUDGET`; 1 at least."""
+    def fits(n: int) -> bool:
+        tokens = n * padded_length
+        return tokens <= GRAFT_TOKEN_BUDGET and tokens * layer_width <= TRL_ACTIVATION_BUDGET
+    return max((n for n in range(1, rows + 1) if rows % n == 0 and fits(n)), default=1)
 
 
 def prompt_rows(examples: list[Example]) -> list[dict]:
@@ -51,7 +60,7 @@ def reward_function(examples: list[Example], reward_name: str):
     return graft_reward
 
 
-def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0) -> dict:
+def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0, layer_width: int = 0) -> dict:
     """GRPOConfig keyword arguments equal to graft's settings for the spec.
 
     One rollout batch is `prompts x samples` completions, split into `mini_batches` optimizer steps
@@ -63,12 +72,13 @@ def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0) -> dict:
     learning rate.
     Gradient checkpointing is off: graft does not checkpoint, and on a model this small TRL's
     default (on) would only make TRL slower.
-    A mini-batch runs in micro-batches of graft's token budget at TRL's `padded_length` (prompt +
-    completion), gradients accumulated: at SmolLM2's vocabulary one 128-row micro-batch got TRL
-    killed for memory; the toy points' mini-batches fit the budget whole.
+    A mini-batch runs in micro-batches within graft's token budget at TRL's `padded_length` (prompt +
+    completion) and TRL's activation budget at the model's `layer_width` (layers x hidden), gradients
+    accumulated: at SmolLM2 a 128-row micro-batch got TRL killed for memory; the toy points'
+    mini-batches fit whole.
     """
     rows = spec["prompts"] * spec["samples"] // spec["mini_batches"]
-    micro_rows = rows_within_budget(rows, padded_length)
+    micro_rows = rows_within_budget(rows, padded_length, layer_width)
     return dict(
         output_dir=output_dir, use_cpu=True, use_vllm=False, bf16=False, fp16=False,
         gradient_checkpointing=False, seed=spec["seed"], data_seed=spec["seed"],
@@ -155,7 +165,8 @@ def run(spec: dict) -> dict:
         model=model, processing_class=tokenizer, peft_config=lora,
         reward_funcs=reward_function(train_set, spec["reward"]),
         train_dataset=Dataset.from_list(prompt_rows(train_set)),
-        args=GRPOConfig(**trl_arguments(spec, "trl-output", padded_length(tokenizer, train_set, spec))),
+        args=GRPOConfig(**trl_arguments(spec, "trl-output", padded_length(tokenizer, train_set, spec),
+                                        model.config.num_hidden_layers * model.config.hidden_size)),
         callbacks=[StepClock()],
     )
     setup_seconds = time.perf_counter() - setup_start

@@ -69,12 +69,15 @@ def test_trl_micro_batches_keep_to_graft_token_budget_with_the_same_optimizer_st
     spec = {**trl_spec(base_dir, Workload("big", prompts=16, samples=8, max_new_tokens=32), 5, 0), "mini_batches": 2}
     whole = trl_arguments(spec, "out", padded_length=100)  # 64 rows x 100 tokens fit 8192
     assert (whole["per_device_train_batch_size"], whole["gradient_accumulation_steps"]) == (64, 1)
-    # SmolLM2's padded rows (78 tokens at 32 new) no longer fit 64 to a micro-batch: 2 x 32 accumulated.
+    # 128 rows of 78 tokens (SmolLM2's prompts + 32 new) exceed graft's 8192 tokens: 2 x 64 accumulated.
     split = trl_arguments({**spec, "mini_batches": 1}, "out", padded_length=78)
     assert (split["per_device_train_batch_size"], split["gradient_accumulation_steps"]) == (64, 2)
+    # SmolLM2's 30 layers x 576: 64 rows of 78 tokens (86M activations) were killed for memory, 32 fit.
+    smol = trl_arguments({**spec, "mini_batches": 1}, "out", padded_length=78, layer_width=30 * 576)
+    assert (smol["per_device_train_batch_size"], smol["gradient_accumulation_steps"]) == (32, 4)
     long = trl_arguments(spec, "out", padded_length=300)
     assert long["per_device_train_batch_size"] * 300 <= 8192 and 64 % long["per_device_train_batch_size"] == 0
-    for args in (whole, split, long):  # one generation batch = the rollout batch, mini_batches optimizer steps
+    for args in (whole, split, smol, long):  # one generation batch = the rollout batch, mini_batches optimizer steps
         rows = args["per_device_train_batch_size"] * args["steps_per_generation"]
         assert rows == 128 and args["steps_per_generation"] // args["gradient_accumulation_steps"] in (1, 2)
     assert long["steps_per_generation"] // long["gradient_accumulation_steps"] == 2
