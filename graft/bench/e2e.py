@@ -291,7 +291,7 @@ async def _load(url: str, name: str, path: Path) -> None:
 
 
 def print_e2e_report(result: dict) -> None:
-    table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} (random Qwen2, fp32, "
+    table = Table(title=f"e2e: one LoRA GRPO step, graft vs TRL {result['trl_version']} (fp32, "
                         f"medians of {result['repeats']} x {result['steps_per_run'] - result['warmup_steps']} steps)")
     for column in ("model", "workload", "side", "s/step", "rollout", "train", "sync", "verify", "tok/compl",
                    "TRL/graft", "step/floor", "rollout/1 call"):
