@@ -34,7 +34,8 @@ SHAPE = "qwen2.5-0.5b-shape"
 
 def _quickstart_runs(steps: int, repeats: int, console: Console, model: str = "tiny") -> dict:
     """Step seconds (and the check's own seconds) with the check on and off, `repeats` runs of each
-    (`model`'s quickstart: "tiny" or a packaged real model); evaluations off (not timed anyway)."""
+    (`model`'s quickstart: "tiny" or a packaged real model); its evaluations cut to 8 examples (not
+    timed anyway)."""
     from graft.models.cache import default_cache_dir
     from graft.quickstart.base import quickstart_base, quickstart_config, shipped_config
     from graft.rollout.factory import launched_server

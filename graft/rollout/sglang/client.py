@@ -163,8 +163,8 @@ def parse_lora_update(body: Any, status: int, *, address: str, route: str) -> di
 
 def _updated_but_not_flushed(body: Any) -> bool:
     """SGLang's answer when it updated the weights but kept the prefix cache (requests were running)."""
-    return isinstance(body, dict) and "weights were updated" in str(body.get("message", "")).lower() \
-        and "not flushed" in str(body.get("message", "")).lower()
+    message = str(body.get("message", "")).lower() if isinstance(body, dict) else ""
+    return "weights were updated" in message and "not flushed" in message
 
 
 def check_weights_update(body: Any, status: int, *, address: str) -> None:
