@@ -344,5 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0  # a command may return its exit code (graft verify: 1)
 
 
+def entry() -> int:
+    """The `graft` command (and `python -m graft.cli`): `main` in a process that glibc set up for
+    cached update memory (`graft.train.cpu_tuning.TCACHE_OFF`; its tunables are read at start-up
+    only, so the process starts itself again once with them, same PID, same arguments)."""
+    from graft.train.cpu_tuning import heap_friendly_environment
+
+    environment = heap_friendly_environment(os.environ)
+    if environment is not None:
+        os.execve(sys.executable, sys.orig_argv, environment)
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

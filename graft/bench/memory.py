@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -47,18 +48,16 @@ SHAPES = ({"name": "qwen2.5-0.5b-shape-2-layers", "layers": 2, "sequences": 32},
 def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     import torch
 
-    from graft.train.cpu_tuning import return_freed_memory_to_the_os
-
-    return_freed_memory_to_the_os()  # as `graft train` does at this size (train.return_freed_memory: auto)
-
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
+    from graft.train.cpu_tuning import set_up_host_memory
     from graft.train.dist import Dist
     from graft.train.parallelize import parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 
     train = load_config(None, overrides).train
+    set_up_host_memory(train)  # as `graft train` does
     model = attach_lora(build_model(spec["dims"], spec["layers"]), rank=16, alpha=32, seed=0)
     # As the trainer sets the model up: train.activation_checkpointing takes effect here, not in policy_update.
     parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing)
@@ -85,7 +84,10 @@ def worker_spec(shape: dict, dims: dict = QWEN_SHAPE) -> dict:
 
 def measure_graft(spec: dict, overrides: list[str]) -> dict:
     command = [sys.executable, "-m", "graft.bench.memory", "--worker", json.dumps(spec), *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    from graft.train.cpu_tuning import heap_friendly_environment
+
+    done = subprocess.run(command, capture_output=True, text=True, check=True,
+                          env=heap_friendly_environment(os.environ))  # as the `graft` command's own process
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

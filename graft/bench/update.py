@@ -56,15 +56,14 @@ def _graft_updates(spec: dict) -> dict:
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
-    from graft.train.cpu_tuning import return_freed_memory_to_the_os
+    from graft.train.cpu_tuning import set_up_host_memory
     from graft.train.dist import Dist
     from graft.train.parallelize import parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 
-    if spec["device"] == "cpu":
-        return_freed_memory_to_the_os()  # as `graft train` does at this size (train.return_freed_memory: auto)
     train = load_config(None, spec["overrides"]).train
+    set_up_host_memory(train)  # as `graft train` does
     model = attach_lora(build_base(spec), rank=16, alpha=32, seed=0).to(spec["device"])
     parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing)
     clock = UpdateClock(spec["device"])
@@ -93,8 +92,10 @@ def measure_graft(spec: dict, work_dir: Path) -> dict:
     """graft's side in a fresh process (its memory peak is this update's alone)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     out = work_dir / "graft.json"
+    from graft.train.cpu_tuning import heap_friendly_environment
+
     done = subprocess.run([sys.executable, "-m", "graft.bench.update", "--worker", json.dumps(spec), str(out)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=heap_friendly_environment(os.environ))  # as `graft`'s
     if done.returncode:
         tail = "\n".join(done.stderr.splitlines()[-15:])
         raise RuntimeError(f"graft's update failed (exit {done.returncode}):\n{tail}")

@@ -176,15 +176,16 @@ class TrainConfig(ObjectiveFields):
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
         "forward of each layer (true: every layer, as TRL's gradient_checkpointing; without it one micro-batch of "
         "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB, docs/benchmarks.md). auto: per "
-        "micro-batch, the activations kept for the backward may take a sixth of the memory available at start-up "
+        "micro-batch, the activations kept for the backward may take an eighth of the memory available at start-up "
         "(graft/train/parallelize.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
         "the last layers go unchecked, the rest are checkpointed. Same results either way.")
-    return_freed_memory: Literal["auto"] | bool = Field(
-        "auto", description="Fix glibc's mmap threshold at 128 KiB so that freed activations go back to the OS "
-        "(graft/train/cpu_tuning.py). auto: on for models of at least 100M parameters. Measured on 2 CPU cores: "
-        "at the 24-layer Qwen2.5-0.5B shape it keeps an update 5 GiB smaller (0.75 vs 5.75 GiB above the model) "
-        "for ~12% more time; at 0.7M parameters it made each forward and backward 2.5x slower (fresh pages "
-        "faulted in on every allocation; graft's update 0.62 s vs 0.25 s).")
+    host_memory: Literal["auto", "cached", "returned", "glibc"] = Field(
+        "auto", description="Where an update on the CPU keeps the blocks it frees (graft/train/cpu_tuning.py). "
+        "cached: in glibc's heap, for the next block and the next update (no page faults after the first update; "
+        "the trainer keeps its largest update's memory, as CUDA's caching allocator does); returned: back to the OS "
+        "at once (glibc's mmap threshold fixed at 128 KiB for the process: the least memory, a page fault per 4 KiB "
+        "on every reuse); glibc: glibc's own dynamic threshold. auto: cached for a model on the CPU, glibc on a GPU. "
+        "Measured with graft bench update at the 24-layer Qwen2.5-0.5B shape on 2 CPU cores: see docs/benchmarks.md.")
     max_tokens_per_micro_batch: int | None = Field(
         8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
         "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "

@@ -204,10 +204,11 @@ class Rowwise(RowwiseParallel):
 # `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
 # log-softmax, then whole decoder layers) take this share of the memory available when the model is
 # set up (per rank on a shared host). Measured with `graft bench update` at the 24-layer
-# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, 15-20 GiB available): TRL's update (gradient
-# checkpointing, fp32 logits of every completion token) peaked 5.45 GiB above the model; with a
-# sixth graft kept the head's log-softmax and 3-6 of 24 layers unchecked, 2.5-3.3 GiB above it.
-AUTO_MEMORY_FRACTION = 1 / 6
+# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, ~21 GiB available, `train.host_memory: cached`):
+# TRL's update (gradient checkpointing, fp32 logits of every completion token) peaked 5.45 GiB above
+# the model; graft's with a sixth 5.78 GiB, with an eighth 4.94 GiB at the same speed (60 CPU-s),
+# every layer checkpointed 2.82 GiB and 80 CPU-s.
+AUTO_MEMORY_FRACTION = 1 / 8
 _PROBE_TOKENS = 64
 
 

@@ -41,7 +41,7 @@ from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import SnapshotSource
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
-from graft.train.cpu_tuning import leave_a_core_to_local_vllm, return_freed_memory_to_the_os, returns_freed_memory
+from graft.train.cpu_tuning import leave_a_core_to_local_vllm, set_up_host_memory
 from graft.train.dist import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
 from graft.train.parallelize import check_tensor_parallel, load_hf_config
@@ -232,8 +232,7 @@ async def train(config: GraftConfig, run_dir: str | Path, *, resume: bool = Fals
 
 
 async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
-    if returns_freed_memory(config):
-        return_freed_memory_to_the_os()
+    set_up_host_memory(config.train)
     if config.dist.tp > 1:  # before any process group work: every rank fails alike, at once
         check_tensor_parallel(load_hf_config(config.model.path), config.dist.tp, config.lora.target_modules,
                               config.lora.dropout)

@@ -32,6 +32,7 @@ from graft.rl.aggregations import get_aggregation
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
+from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 from graft.train.dist import Dist, clip_grad_norm
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
@@ -146,9 +147,11 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     measures that gap every step. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     Every LoRA layer adds its delta inside its matmul (`fused_lora`: PEFT's sum, fewer passes over
-    the outputs), forward, backward and recompute alike.
+    the outputs), forward, backward and recompute alike. On the CPU the update's freed blocks stay in
+    the process for its next blocks and the next update (`train.host_memory`, `update_memory_cached`).
     """
-    with fused_lora(model):
+    device = next(model.parameters()).device
+    with fused_lora(model), update_memory_cached(host_memory_mode(train, device)):
         return _update(model, optimizer, batch, train, pad_id, ctx, step)
 
 

@@ -1,6 +1,7 @@
-"""How the trainer uses a CPU host (`graft.train.cpu_tuning`): glibc's dynamic mmap threshold keeps
-freed activations resident and the trainer fixes it (each such case runs in a fresh process: the
-setting is process-wide); an overlapped run leaves a core to a local vLLM."""
+"""How the trainer uses a CPU host (`graft.train.cpu_tuning`): "returned" hands freed activations
+back to the OS, "cached" keeps an update's blocks for reuse without page faults (each such case runs
+in a fresh process: glibc's settings are process-wide); an overlapped run leaves a core to a local
+vLLM."""
 
 import os
 import subprocess
@@ -49,10 +50,69 @@ def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeyp
         assert torch.get_num_threads() == before
 
 
-def test_only_a_large_model_fixes_the_mmap_threshold_unless_told(tmp_path, monkeypatch):
-    def fixes(parameters, *overrides):
-        monkeypatch.setattr(cpu_tuning, "checkpoint_parameters", lambda path: parameters)
-        return cpu_tuning.returns_freed_memory(load_config(None, [f"model.path={tmp_path}", *overrides]))
+_REUSE = """
+import resource, sys, torch
+from graft.train.cpu_tuning import set_up_host_memory, update_memory_cached
+from graft.config import load_config
+train = load_config(None, [f"train.host_memory={sys.argv[1]}"]).train
+set_up_host_memory(train)
 
-    assert fixes(cpu_tuning.AUTO_RETURN_MEMORY_PARAMETERS) and not fixes(cpu_tuning.AUTO_RETURN_MEMORY_PARAMETERS - 1)
-    assert fixes(1, "train.return_freed_memory=true") and not fixes(10**9, "train.return_freed_memory=false")
+
+def update():  # as an update's activations: 64 MiB blocks made, used and freed, over and over
+    for _ in range(8):
+        blocks = [torch.ones(2**24) for _ in range(4)]
+        del blocks
+
+
+def faults_and_rss_mib(body):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with update_memory_cached(sys.argv[1]):
+        body()
+    rss_mib = int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, rss_mib
+
+
+first, second, third = (faults_and_rss_mib(update) for _ in range(3))
+print(first[0], second[0], third[0], second[1], third[1])
+"""
+
+
+def _faults_of_three_updates(mode: str) -> list[int]:
+    env = cpu_tuning.heap_friendly_environment(os.environ)  # as the `graft` command's process
+    done = subprocess.run([sys.executable, "-c", _REUSE, mode], capture_output=True, text=True, check=True, env=env)
+    return [int(v) for v in done.stdout.split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_cached_updates_reuse_their_blocks_without_page_faults_and_without_growing():
+    cached_first, cached_second, _, rss_second, rss_third = _faults_of_three_updates("cached")
+    returned_first, returned_second, *_ = _faults_of_three_updates("returned")
+    touched_pages = 8 * 4 * 2**26 // 4096  # every block's pages, once per reuse
+    assert returned_first > touched_pages // 2 and returned_second > touched_pages // 2  # faulted in at each reuse
+    assert cached_first < touched_pages // 4  # the first 4 blocks are faulted in, their reuses are not
+    assert cached_second < 1000  # the next update finds them resident
+    assert rss_third == rss_second  # and holds no more than its first did
+
+
+def test_host_memory_auto_caches_on_the_cpu_only():
+    auto = load_config(None, []).train
+    assert cpu_tuning.host_memory_mode(auto, torch.device("cpu")) == "cached"
+    assert cpu_tuning.host_memory_mode(auto, torch.device("cuda")) == "glibc"
+    returned = load_config(None, ["train.host_memory=returned"]).train
+    assert cpu_tuning.host_memory_mode(returned, torch.device("cpu")) == "returned"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
+def test_the_graft_command_starts_itself_once_more_with_glibcs_tcache_off():
+    code = ("import os, sys\n"
+            "print('started', os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
+            "sys.argv = ['graft', '--version']\n"
+            "from graft.cli import entry\n"
+            "entry()\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    starts = [line for line in done.stdout.splitlines() if line.startswith("started")]
+    assert starts == ["started None", f"started {cpu_tuning.TCACHE_OFF}"]  # once again, then it runs
+    assert "graft" in done.stdout.splitlines()[-1]
+    chosen = {**env, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}  # a user's own choice is kept
+    assert cpu_tuning.heap_friendly_environment(chosen) is None
