@@ -176,7 +176,7 @@ class TrainConfig(ObjectiveFields):
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
         "forward of each layer (true: every layer, as TRL's gradient_checkpointing; without it one micro-batch of "
         "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB, docs/benchmarks.md). auto: per "
-        "micro-batch, the activations kept for the backward may take an eighth of the memory available at start-up "
+        "micro-batch, the activations kept for the backward may take a twelfth of the memory available at start-up "
         "(graft/train/parallelize.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
         "the last layers go unchecked, the rest are checkpointed. Same results either way.")
     host_memory: Literal["auto", "cached", "returned", "glibc"] = Field(

@@ -203,12 +203,12 @@ class Rowwise(RowwiseParallel):
 
 # `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
 # log-softmax, then whole decoder layers) take this share of the memory available when the model is
-# set up (per rank on a shared host). Measured with `graft bench update` at the 24-layer
-# Qwen2.5-0.5B shape on the CPU (8 x 384 tokens, ~21 GiB available, `train.host_memory: cached`):
-# TRL's update (gradient checkpointing, fp32 logits of every completion token) peaked 5.45 GiB above
-# the model; graft's with a sixth 5.78 GiB, with an eighth 4.94 GiB at the same speed (60 CPU-s),
-# every layer checkpointed 2.82 GiB and 80 CPU-s.
-AUTO_MEMORY_FRACTION = 1 / 8
+# set up (per rank on a shared host). Measured at the 24-layer Qwen2.5-0.5B shape on the CPU (one
+# update of 8 x 384 tokens, ~21 GiB available, `train.host_memory: cached`, the second update):
+# a sixth held 5.78 GiB above the model, an eighth 4.94 GiB (both ~60 CPU-s), a twelfth 4.11 GiB
+# (66 CPU-s), every layer checkpointed 2.82 GiB (80 CPU-s); TRL's update, gradient checkpointing and
+# fp32 logits of every completion token, ~4.4 GiB in `graft bench update` (docs/benchmarks.md).
+AUTO_MEMORY_FRACTION = 1 / 12
 _PROBE_TOKENS = 64
 
 
