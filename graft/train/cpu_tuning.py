@@ -115,6 +115,16 @@ def update_memory_cached(mode: str):
         libc.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
 
 
+def release_cached_memory() -> None:
+    """Hand the heap's free memory back to the OS (`malloc_trim`): where a run ends, so that what the
+    process does next (a bench's next side, a test) does not live beside the run's cached updates.
+    Measured: an e2e bench process still held 10.9 GB of a SmolLM2 run's cached update memory when
+    TRL's side started beside two vLLM servers, and the OOM killer stopped it."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def leave_a_core_to_local_vllm(config: GraftConfig):
     """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a

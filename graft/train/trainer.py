@@ -41,7 +41,7 @@ from graft.rollout.factory import open_engine
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import SnapshotSource
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
-from graft.train.cpu_tuning import leave_a_core_to_local_vllm, set_up_host_memory
+from graft.train.cpu_tuning import leave_a_core_to_local_vllm, release_cached_memory, set_up_host_memory
 from graft.train.dist import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
 from graft.train.parallelize import check_tensor_parallel, load_hf_config
@@ -255,6 +255,7 @@ async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
             return result
     finally:
         shutdown_distributed(ctx)
+        release_cached_memory()  # the run's cached update memory: a process that goes on (a bench) gets it back
 
 
 class RunDirError(ValueError):
