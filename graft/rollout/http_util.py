@@ -71,6 +71,13 @@ async def gather_cancel_on_error(coros: Iterable[Awaitable[Any]]) -> list[Any]:
         raise
 
 
+# How long an idle pooled connection may be reused. vLLM's and SGLang's servers (uvicorn) close a
+# connection idle for 5 s, httpx's default expiry is also 5 s: a request sent on a connection at that
+# instant meets the server's close and fails with ReadError('') though the server never read it (seen
+# once on an adapter load in `graft bench e2e`, max_staleness 1, SmolLM2). Expiring first avoids it.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str, retries: int, backoff_s: float,
                timeout_s: float, **kwargs: Any) -> httpx.Response:
     """One HTTP request with the engine clients' retry policy; the response whatever its status.

@@ -59,7 +59,7 @@ from graft.rollout.engine import (
     GenerateRequest,
     UnknownAdapterError,
 )
-from graft.rollout.http_util import error_for, gather_cancel_on_error, send, server_message
+from graft.rollout.http_util import KEEPALIVE_EXPIRY_S, error_for, gather_cancel_on_error, send, server_message
 
 _FINISH_REASONS = ("stop", "length")
 _RETRY_BASE_S = 0.2
@@ -308,7 +308,8 @@ class SglangClient:
         if self._loop is not loop or self._http is None or self._slots is None:
             # trust_env=False: loopback servers must not be reached through an http_proxy.
             self._http = httpx.AsyncClient(base_url=self.base_url, trust_env=False, headers=self._headers,
-                                           limits=httpx.Limits(max_connections=self.max_concurrency))
+                                           limits=httpx.Limits(max_connections=self.max_concurrency,
+                                                               keepalive_expiry=KEEPALIVE_EXPIRY_S))
             self._slots = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
         return self._http, self._slots

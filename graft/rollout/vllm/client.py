@@ -46,7 +46,14 @@ from graft.rollout.engine import (
     GenerateRequest,
     TransportUnsupportedError,
 )
-from graft.rollout.http_util import answer_while_alive, error_for, gather_cancel_on_error, send, server_message
+from graft.rollout.http_util import (
+    KEEPALIVE_EXPIRY_S,
+    answer_while_alive,
+    error_for,
+    gather_cancel_on_error,
+    send,
+    server_message,
+)
 from graft.rollout.vllm.server.batch_route import ROUTE as BATCH_ROUTE
 from graft.rollout.vllm.server.lora_memory import ROUTE as MEMORY_ROUTE
 
@@ -141,7 +148,8 @@ class VllmClient:
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._batch_route: bool | None = None  # whether the server has graft's batch route; None: not asked yet
         # Headroom over the semaphore for adapter/health calls made while generating.
-        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8,
+                             keepalive_expiry=KEEPALIVE_EXPIRY_S)
         # trust_env=False: loopback requests must not go through an http_proxy from the environment.
         self._http = httpx.AsyncClient(base_url=self.address, timeout=request_timeout_s, limits=limits,
                                        headers=auth_headers(api_key), trust_env=False, transport=transport)
