@@ -19,7 +19,7 @@ the kernel. `train.host_memory`:
 Measured with one update at the 24-layer Qwen2.5-0.5B shape (8 x (128 + 256) tokens, fp32, every
 layer checkpointed, 2 cores, the second of two updates): "returned" 57.5 s, 111.7 CPU-s (28 of them
 in the kernel, 14.9 million minor page faults), 0.8 GiB above the model; "cached" 41.8 s, 82.2
-CPU-s (0.7 in the kernel, 60 faults), 2.8 GiB above it.
+CPU-s (0.7 in the kernel, 60 faults), 2.8 GiB above it (glibc's tcache off, as the `graft` command runs).
 """
 
 from __future__ import annotations
