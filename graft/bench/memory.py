@@ -38,6 +38,7 @@ from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, Q
 from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS
 from graft.models.packaged import PACKAGED_MODELS
+from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
 
 # The batch per shape: 32 sequences (16,384 tokens) at 2 layers; 8 (one group, 4,096 tokens) at the
 # full 24 layers, so that each side's update finishes in minutes on a 2-core CPU.
@@ -84,8 +85,6 @@ def worker_spec(shape: dict, dims: dict = QWEN_SHAPE) -> dict:
 
 def measure_graft(spec: dict, overrides: list[str]) -> dict:
     command = [sys.executable, "-m", "graft.bench.memory", "--worker", json.dumps(spec), *overrides]
-    from graft.train.cpu_tuning import heap_friendly_environment
-
     done = subprocess.run(command, capture_output=True, text=True, check=True,
                           env=heap_friendly_environment(os.environ))  # as the `graft` command's own process
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -43,6 +43,7 @@ from graft.bench.update_measure import (
     non_embedding_parameters,
     useful_flops,
 )
+from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
 
 SIDES = ("graft", "trl")
 # The model's dimensions; a test passes smaller ones.
@@ -92,8 +93,6 @@ def measure_graft(spec: dict, work_dir: Path) -> dict:
     """graft's side in a fresh process (its memory peak is this update's alone)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     out = work_dir / "graft.json"
-    from graft.train.cpu_tuning import heap_friendly_environment
-
     done = subprocess.run([sys.executable, "-m", "graft.bench.update", "--worker", json.dumps(spec), str(out)],
                           capture_output=True, text=True, env=heap_friendly_environment(os.environ))  # as `graft`'s
     if done.returncode:
