@@ -146,10 +146,12 @@ async def _syncs_while_decoding(sync, policy, reader: _Reader, windows: list[tup
     await reader.wait_for([n + SETTLE_TOKENS for n in reader.tokens()])
 
 
-def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_tokens: int = 500,
+def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_tokens: int = 2000,
                     syncs: int = SYNCS) -> dict:
     """Rows `{"model", "transport", "median_gap_s", "max_gap_during_sync_s", "ratio", ...}`, `syncs` per
-    transport (the tiny model decodes 500 tokens in ~1.5 s: a test asks for one)."""
+    transport. The streams must outlive the syncs (they are stopped after them), so `max_tokens` is ample
+    (the shapes hold 2048 positions): the tiny model decodes 500 tokens in ~1.5 s, and a loaded CI machine
+    once took longer than that for one sync."""
     from graft.bench.sync import ADAPTER_MODES, SHAPES, bench_server
     from graft.lora.attach import attach_lora
     from graft.models.loading import load_model
@@ -158,7 +160,7 @@ def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_token
     for name in models:
         shape = SHAPES[name]
         with (tempfile.TemporaryDirectory(prefix=f"graft-bench-stall-{name}-") as tmp,
-              bench_server(shape, Path(tmp), shape.rank, console) as (base, server)):
+              bench_server(shape, Path(tmp), shape.rank, console, max_model_len=max_tokens + 8) as (base, server)):
             policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
             for transport in ADAPTER_MODES.values():
                 with console.status(f"{name}: {STREAMS} streams decoding across {syncs} syncs by {transport}"):

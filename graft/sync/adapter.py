@@ -288,11 +288,17 @@ class AdapterSync:
             kept = {keep} if keep in self._loaded else set()
             self._current = keep if kept else None
             await self._retire([v for v in self._loaded if v not in kept], set())
-            pending = list(self._unloading.values())
+            pending = dict(self._unloading)
             if pending:
                 self._log.info("waiting for in-flight requests on version(s) %s before unloading them",
-                               sorted(self._unloading))
-                await asyncio.gather(*pending)
+                               sorted(pending))
+                await asyncio.gather(*pending.values(), return_exceptions=True)
+            # A run stopped by a signal cancels every task at once (asyncio.run), these waits too: the
+            # cancelled requests leave their versions, which are unloaded here (a CI run left a busy
+            # version loaded on the user's server this way).
+            for version in [v for v, task in pending.items() if task.cancelled() and v in self._loaded]:
+                await self._inflight.wait_idle(version)
+                await self._unload(version)
             if failed := [v for v in self._loaded if v not in kept]:
                 self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
             if self._carrier is not None:

@@ -114,6 +114,32 @@ def test_closing_with_a_version_to_keep_unloads_all_but_that_one(tmp_path, peft_
     run(main())
 
 
+def test_closing_after_a_signal_cancelled_every_task_still_unloads_the_busy_versions(tmp_path, peft_model):
+    """A SIGTERMed run: asyncio.run cancels every task at once, the requests holding an old version and
+    the wait to unload it among them; the run's close must still leave only the version it keeps."""
+    engine = RecordingEngine()
+    sync, inflight, _ = make_sync(engine, tmp_path, keep=3, max_loras=4)
+
+    async def request_on(version: int):
+        async with inflight.use(version):
+            await asyncio.Event().wait()
+
+    async def main():
+        for v in range(1, 4):
+            await sync.sync(peft_model, v, step=v)
+        request = asyncio.create_task(request_on(2))
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(sync.close(keep=3))
+        await asyncio.sleep(0.01)
+        assert engine.graft_adapters() == names([2, 3]) and not request.done()  # waiting for the request
+        for task in asyncio.all_tasks() - {asyncio.current_task(), closing}:
+            task.cancel()
+        await asyncio.wait_for(closing, 1)
+        assert engine.graft_adapters() == names([3]) and sync.loaded == [3]
+
+    run(main())
+
+
 def test_a_version_in_use_is_unloaded_only_when_its_request_finishes(tmp_path, peft_model):
     engine = RecordingEngine()
     engine.generate_s = 0.05
