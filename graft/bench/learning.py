@@ -33,6 +33,7 @@ from graft.rollout.factory import open_engine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.tasks.registry import load_task_data
 from graft.train.metrics import read_jsonl
+from graft.train.step_plan import step_examples
 from graft.train.trainer import train
 
 REWARD = "exact_numeric+format"
@@ -63,15 +64,26 @@ def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, e
         "train.checkpoint_every=0", f"train.seed={seed}", *extra], model)
 
 
-def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path) -> dict:
-    """The TRL run equal to `config` (see `trl_worker.trl_arguments`), stopped at `budget_s` seconds."""
+def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path, batches: int) -> dict:
+    """The TRL run equal to `config` (see `trl_worker.trl_arguments`), stopped at `budget_s` seconds,
+    on graft's prompts for `batches` batches (it runs out of time before, being the slower side)."""
     train, rollout, lora = config.train, config.rollout, config.lora
     return {"base": config.model.path, "task": config.data.task, "reward": config.data.reward, "seed": train.seed,
             "prompts": train.batch_prompts, "samples": rollout.n_samples, "max_new_tokens": rollout.max_new_tokens,
             "temperature": rollout.temperature,
             "mini_batches": train.mini_batches, "lr": train.lr, "rank": lora.rank, "alpha": lora.alpha,
             "targets": lora.target_modules, "steps": 10**6, "time_budget_s": budget_s,
-            "save_every": eval_every * train.mini_batches, "save_dir": str(save_dir)}
+            "save_every": eval_every * train.mini_batches, "save_dir": str(save_dir),
+            "prompt_order": prompt_order(config, batches)}
+
+
+def prompt_order(config: GraftConfig, batches: int) -> list[int]:
+    """Train-set indices of graft's prompts for `batches` steps, batch after batch (`step_examples`):
+    the order TRL's side is given, so that per batch both learn from the same prompts."""
+    train_set, _ = load_task_data(config.data)
+    indices = list(range(len(train_set)))
+    return [i for step in range(1, batches + 1)
+            for i in step_examples(indices, step, config.train.batch_prompts, config.train.seed)]
 
 
 def graft_curve(run_dir: Path) -> list[dict]:
@@ -122,7 +134,7 @@ def run_learning_bench(steps: int | None = None, eval_every: int | None = None, 
             graft_points = graft_curve(work / "graft")
             budget = graft_points[-1]["seconds"]
             console.print(f"TRL {TRL_VERSION}: the same {budget:.0f} s of training steps")
-            trl = run_trl(python, trl_spec(config, budget, eval_every, work / "trl-adapters"), work / "trl")
+            trl = run_trl(python, trl_spec(config, budget, eval_every, work / "trl-adapters", steps), work / "trl")
             trl_points = [{"step": 0, "seconds": 0.0, "accuracy": graft_points[0]["accuracy"]},
                           *asyncio.run(score_adapters(config, work / "eval", trl["adapters"]))]
         finally:

@@ -47,6 +47,13 @@ def prompt_rows(examples: list[Example]) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": ex.prompt}], "example_index": i} for i, ex in enumerate(examples)]
 
 
+def ordered_rows(rows: list[dict], order: list[int] | None) -> list[dict]:
+    """`rows` in graft's prompt order (train-set indices, batch after batch) where the spec gives one,
+    TRL's sampler then keeping it (`shuffle_dataset` off): both sides learn from the same prompts per
+    batch. Without an order TRL shuffles the rows with its own seed."""
+    return rows if order is None else [rows[i] for i in order]
+
+
 def reward_function(examples: list[Example], reward_name: str):
     """A TRL reward function (prompts, completions, **dataset columns) -> list of floats that scores
     each completion with graft's reward of the same name."""
@@ -89,6 +96,7 @@ def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0, layer_wid
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
         optim="adamw_torch", max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group",
         max_steps=spec["steps"], logging_steps=spec.get("logging_steps", 10**9), save_strategy="no",
+        shuffle_dataset=spec.get("prompt_order") is None,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,
     )
 
@@ -128,7 +136,8 @@ def run(spec: dict) -> dict:
             out = super()._generate_and_score_completions(inputs)
             TimedGRPOTrainer.rollout_seconds += time.perf_counter() - start
             lengths = out["completion_mask"].sum(dim=1).float()
-            TimedGRPOTrainer.batch_stats = {"completion_tokens_mean": lengths.mean().item()}
+            TimedGRPOTrainer.batch_stats = {"completion_tokens_mean": lengths.mean().item(),
+                                            "prompt_indices": list(dict.fromkeys(r["example_index"] for r in inputs))}
             return out
 
     class StepClock(TrainerCallback):
@@ -164,7 +173,7 @@ def run(spec: dict) -> dict:
     trainer = TimedGRPOTrainer(
         model=model, processing_class=tokenizer, peft_config=lora,
         reward_funcs=reward_function(train_set, spec["reward"]),
-        train_dataset=Dataset.from_list(prompt_rows(train_set)),
+        train_dataset=Dataset.from_list(ordered_rows(prompt_rows(train_set), spec.get("prompt_order"))),
         args=GRPOConfig(**trl_arguments(spec, "trl-output", padded_length(tokenizer, train_set, spec),
                                         model.config.num_hidden_layers * model.config.hidden_size)),
         callbacks=[StepClock()],

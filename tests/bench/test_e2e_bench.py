@@ -40,8 +40,10 @@ from graft.config import load_config
 from graft.models.cache import default_cache_dir
 from graft.rollout.vllm.client import VllmClient
 from graft.tasks import Example, render_prompt_ids
+from graft.tasks.registry import load_task_data
 from graft.tasks.rewards import exact_numeric_and_format
 from graft.train.metrics import read_jsonl
+from graft.train.step_plan import step_examples
 
 WORKLOAD = Workload("test", prompts=2, samples=4, max_new_tokens=4)
 
@@ -220,10 +222,15 @@ async def _unload(url: str, name: str) -> None:
 def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_server, base_dir, tmp_path):
     config = graft_config(base_dir, vllm_server.url, steps=2, eval_every=1, seed=0,
                           extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.eval_examples=8"])
-    spec = {**learning_trl_spec(config, budget_s=1e9, eval_every=1, save_dir=tmp_path / "adapters"), "steps": 4,
-            "logging_steps": 4}
+    spec = {**learning_trl_spec(config, budget_s=1e9, eval_every=1, save_dir=tmp_path / "adapters", batches=2),
+            "steps": 4, "logging_steps": 4}
     result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
     assert [s["step"] for s in result["steps"]] == [1, 2, 3, 4]
+    # TRL's rollout batch holds graft's first batch's prompts (graft's order, not TRL's shuffle).
+    train_set, _ = load_task_data(config.data)
+    graft_first = step_examples(list(range(len(train_set))), 1, 2, config.train.seed)
+    assert spec["prompt_order"][:2] == graft_first and len(spec["prompt_order"]) == 4
+    assert all(s["prompt_indices"] == graft_first for s in result["steps"])
     # TRL's own statistics of the rollout batch, to set beside graft's metrics.jsonl; graft deals its
     # mini-batches at random as TRL shuffles its generation batch.
     (logged,) = [row for row in result["log_history"] if "reward" in row]
@@ -247,7 +254,8 @@ def test_trl_saves_its_last_step_when_the_budget_runs_out_before_a_save(base_dir
     last step is saved anyway, so its curve has a final point."""
     config = graft_config(base_dir, "http://127.0.0.1:1", steps=2, eval_every=4, seed=0,
                           extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.mini_batches=1"])
-    spec = {**learning_trl_spec(config, budget_s=1e-6, eval_every=4, save_dir=tmp_path / "adapters"), "steps": 4}
+    spec = {**learning_trl_spec(config, budget_s=1e-6, eval_every=4, save_dir=tmp_path / "adapters", batches=2),
+            "steps": 4}
     result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
     assert [s["step"] for s in result["steps"]] == [1]  # the budget ran out after the first step
     assert [a["step"] for a in result["adapters"]] == [1] and spec["save_every"] == 4
