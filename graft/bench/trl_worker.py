@@ -123,6 +123,7 @@ def run(spec: dict) -> dict:
                       task_type="CAUSAL_LM")
     steps: list[dict] = []
     adapters: list[dict] = []
+    result: dict = {"budget_step": None}
     save_dir = Path(spec["save_dir"]) if spec.get("save_every") else None
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -141,11 +142,13 @@ def run(spec: dict) -> dict:
             return out
 
     class StepClock(TrainerCallback):
-        """Per-step wall time; stops the run at the spec's time budget; saves adapters off the clock."""
+        """Per-step wall time; stops the run at the spec's time budget, but not before `min_steps`
+        optimizer steps (the learning bench's per-batch comparison); saves adapters off the clock."""
 
         def __init__(self) -> None:
             self.started = 0.0
             self.clock = 0.0
+            self.budget_step: int | None = None  # the step during which the time budget ran out
 
         def on_step_begin(self, args, state, control, **kwargs):
             TimedGRPOTrainer.rollout_seconds = 0.0
@@ -159,13 +162,17 @@ def run(spec: dict) -> dict:
                           "train_seconds": seconds - rollout, "sync_seconds": 0.0, "verify_seconds": 0.0,
                           "clock": self.clock, **TimedGRPOTrainer.batch_stats})
             out_of_time = bool(spec.get("time_budget_s")) and self.clock >= spec["time_budget_s"]
-            # The last step before the budget runs out is saved too: TRL's final point, also when the
-            # budget bought fewer steps than `save_every`.
-            if save_dir is not None and (state.global_step % spec["save_every"] == 0 or out_of_time):
+            budget_ends = out_of_time and self.budget_step is None
+            if budget_ends:
+                self.budget_step = result["budget_step"] = state.global_step
+            stop = out_of_time and state.global_step >= spec.get("min_steps", 0)
+            # The step the budget runs out in is saved too: TRL's final point, also when the budget
+            # bought fewer steps than `save_every`; and the last step.
+            if save_dir is not None and (state.global_step % spec["save_every"] == 0 or budget_ends or stop):
                 path = save_dir / f"step-{state.global_step}"
                 model.save_pretrained(path)
                 adapters.append({"step": state.global_step, "clock": self.clock, "path": str(path)})
-            if out_of_time:
+            if stop:
                 control.should_training_stop = True
 
     if spec.get("threads"):
@@ -180,7 +187,7 @@ def run(spec: dict) -> dict:
     )
     setup_seconds = time.perf_counter() - setup_start
     trainer.train()
-    return {"setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
+    return {**result, "setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
             "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__,
             "log_history": trainer.state.log_history}
 

@@ -28,6 +28,7 @@ from graft.bench.learning import (
     graft_curve,
     per_batch_gaps,
     plot_learning,
+    race,
     score_adapters,
     time_to_reach,
 )
@@ -144,8 +145,10 @@ def test_learning_curve_counts_step_seconds_only(tmp_path):
     points = graft_curve(tmp_path)
     assert [(p["seconds"], p["accuracy"]) for p in points] == [(0.0, 0.4), (4.0, 0.5), (8.0, 0.7)]
     assert time_to_reach(points, 0.5) == 4.0 and time_to_reach(points, 0.9) is None
-    result = {"model": "tiny", "reward": "r", "trl_version": "1", "graft": {"points": points},
-              "trl": {"points": [{"seconds": 0.0, "accuracy": 0.4}, {"seconds": 8.0, "accuracy": 0.45}]}}
+    trl = [{"seconds": 0.0, "accuracy": 0.4, "in_budget": True}, {"seconds": 8.0, "accuracy": 0.45, "in_budget": True},
+           {"seconds": 12.0, "accuracy": 0.8, "in_budget": False}]  # past graft's 8 s: not in the race
+    assert race(trl) == trl[:2] and race(points) == points
+    result = {"model": "tiny", "reward": "r", "trl_version": "1", "graft": {"points": points}, "trl": {"points": trl}}
     png = plot_learning(result, tmp_path / "learning.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -249,16 +252,18 @@ def test_trl_adapters_saved_on_the_clock_load_in_peft_and_score_on_vllm(vllm_ser
 
 
 @pytest.mark.trl
-def test_trl_saves_its_last_step_when_the_budget_runs_out_before_a_save(base_dir, tmp_path):
-    """A slower TRL may get fewer optimizer steps in graft's seconds than one save interval: its
-    last step is saved anyway, so its curve has a final point."""
+def test_trl_saves_the_step_its_budget_runs_out_in_and_goes_on_to_grafts_batches(base_dir, tmp_path):
+    """A slower TRL may get fewer optimizer steps in graft's seconds than one save interval: the step
+    the budget runs out in is saved anyway (its final point in the race), and TRL goes on to graft's
+    batch count, saving its last step, for the per-batch comparison."""
     config = graft_config(base_dir, "http://127.0.0.1:1", steps=2, eval_every=4, seed=0,
                           extra=["train.batch_prompts=2", "rollout.n_samples=4", "train.mini_batches=1"])
     spec = {**learning_trl_spec(config, budget_s=1e-6, eval_every=4, save_dir=tmp_path / "adapters", batches=2),
             "steps": 4}
     result = run_trl(trl_python(default_cache_dir()), spec, tmp_path / "trl")
-    assert [s["step"] for s in result["steps"]] == [1]  # the budget ran out after the first step
-    assert [a["step"] for a in result["adapters"]] == [1] and spec["save_every"] == 4
+    assert result["budget_step"] == 1  # the budget ran out in the first step
+    assert [s["step"] for s in result["steps"]] == [1, 2] and spec["min_steps"] == 2
+    assert [a["step"] for a in result["adapters"]] == [1, 2] and spec["save_every"] == 4
 
 
 async def _served_adapters(url: str) -> list[str]:
