@@ -68,8 +68,15 @@ def _solo(base_dir, client: int) -> dict[str, torch.Tensor]:
     return {name.replace(".solo.", "."): p.detach().clone() for name, p in policy.parameters("solo").items()}
 
 
-def test_two_clients_at_once_share_passes_and_train_as_if_alone(running, base_dir):
-    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+@pytest.fixture
+def service_client(running):
+    """A client whose session ends with the test (an open one's heartbeat thread outlives the service
+    and warns for the rest of the test run)."""
+    with tinker.ServiceClient(base_url=running.url, api_key=API_KEY) as client:
+        yield client
+
+
+def test_two_clients_at_once_share_passes_and_train_as_if_alone(running, service_client, base_dir):
     out: dict = {}
     threads = [threading.Thread(target=_train, args=(service_client, str(base_dir), c, out)) for c in (0, 1)]
     for thread in threads:
@@ -89,9 +96,8 @@ def test_two_clients_at_once_share_passes_and_train_as_if_alone(running, base_di
         assert any(".lora_B." in k and solo[k].abs().max() > 0 for k in solo), "the adapter never moved"
 
 
-def test_forward_gives_the_tenants_logprobs_and_no_update(running, base_dir):
-    training = tinker.ServiceClient(base_url=running.url, api_key=API_KEY).create_lora_training_client(
-        base_model=str(base_dir), rank=2).result()
+def test_forward_gives_the_tenants_logprobs_and_no_update(running, service_client, base_dir):
+    training = service_client.create_lora_training_client(base_model=str(base_dir), rank=2).result()
     tokens = _sequences(7, 0)[0]
     first = training.forward([_sdk_datum(tokens)], "cross_entropy").result()
     again = training.forward([_sdk_datum(tokens)], "cross_entropy").result()
@@ -104,8 +110,7 @@ def test_forward_gives_the_tenants_logprobs_and_no_update(running, base_dir):
     assert all(p.grad is None for p in running.service.policy.parameters(tenant).values())
 
 
-def test_bad_requests_get_one_clear_error(running, base_dir):
-    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+def test_bad_requests_get_one_clear_error(running, service_client, base_dir):
     with pytest.raises(tinker.BadRequestError, match="not served"):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="rank 64 is out of range"):
@@ -118,9 +123,9 @@ def test_bad_requests_get_one_clear_error(running, base_dir):
         training.forward_backward([unshifted], "cross_entropy").result()
     with pytest.raises(Exception, match="unknown loss 'dro'"):
         training.forward_backward([_sdk_datum(tokens)], "dro").result()
-    with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key").create_lora_training_client(
-            base_model=str(base_dir), rank=2).result()
+    with (pytest.raises(tinker.AuthenticationError),
+          tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key") as stranger):
+        stranger.create_lora_training_client(base_model=str(base_dir), rank=2).result()
 
 
 def _adapter(running, model_id: str) -> dict[str, torch.Tensor]:
@@ -129,8 +134,7 @@ def _adapter(running, model_id: str) -> dict[str, torch.Tensor]:
             for name, p in running.service.policy.parameters(tenant).items()}
 
 
-def test_saved_state_resumes_exactly_and_is_a_peft_adapter(running, base_dir):
-    service_client = tinker.ServiceClient(base_url=running.url, api_key=API_KEY)
+def test_saved_state_resumes_exactly_and_is_a_peft_adapter(running, service_client, base_dir):
     training = service_client.create_lora_training_client(base_model=str(base_dir), rank=4, seed=5).result()
 
     def step(client, index: int) -> None:
