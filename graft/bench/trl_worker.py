@@ -123,7 +123,6 @@ def run(spec: dict) -> dict:
                       task_type="CAUSAL_LM")
     steps: list[dict] = []
     adapters: list[dict] = []
-    result: dict = {"budget_step": None}
     save_dir = Path(spec["save_dir"]) if spec.get("save_every") else None
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -164,7 +163,7 @@ def run(spec: dict) -> dict:
             out_of_time = bool(spec.get("time_budget_s")) and self.clock >= spec["time_budget_s"]
             budget_ends = out_of_time and self.budget_step is None
             if budget_ends:
-                self.budget_step = result["budget_step"] = state.global_step
+                self.budget_step = state.global_step
             stop = out_of_time and state.global_step >= spec.get("min_steps", 0)
             # The step the budget runs out in is saved too: TRL's final point, also when the budget
             # bought fewer steps than `save_every`; and the last step.
@@ -177,17 +176,18 @@ def run(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    clock = StepClock()
     trainer = TimedGRPOTrainer(
         model=model, processing_class=tokenizer, peft_config=lora,
         reward_funcs=reward_function(train_set, spec["reward"]),
         train_dataset=Dataset.from_list(ordered_rows(prompt_rows(train_set), spec.get("prompt_order"))),
         args=GRPOConfig(**trl_arguments(spec, "trl-output", padded_length(tokenizer, train_set, spec),
                                         model.config.num_hidden_layers * model.config.hidden_size)),
-        callbacks=[StepClock()],
+        callbacks=[clock],
     )
     setup_seconds = time.perf_counter() - setup_start
     trainer.train()
-    return {**result, "setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
+    return {"budget_step": clock.budget_step, "setup_seconds": setup_seconds, "steps": steps, "adapters": adapters,
             "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__,
             "log_history": trainer.state.log_history}
 
