@@ -114,14 +114,14 @@ def raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
 
 
 @contextlib.contextmanager
-def bench_server(shape: ModelShape, work: Path, max_lora_rank: int, console: Console, max_model_len: int = 512
-                 ) -> Iterator[tuple[Path, VllmServer]]:
+def bench_server(shape: ModelShape, work: Path, max_lora_rank: int,
+                 console: Console) -> Iterator[tuple[Path, VllmServer]]:
     """(WORK/base, a bf16 vLLM server serving it) for the block: a random model of `shape`, served
     with the dev endpoints merged sync reloads weights through; the server stops after."""
     with console.status(f"{shape.name}: building a random model and starting vLLM"):
         base = build_base(shape, work / "base")
         server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max_lora_rank,
-                                             max_loras=4, max_model_len=max_model_len, log_dir=work,
+                                             max_loras=4, max_model_len=512, log_dir=work,
                                              dev_endpoints=True)).start()
     try:
         yield base, server

@@ -1,11 +1,12 @@
 """`graft bench sync --stall`: what a sync does to requests already decoding on the previous version.
 
 Per transport (disk, memory, shm; graft.sync.transport), on one vLLM server: version 1 is synced and
-`STREAMS` greedy requests start streaming from it (`/v1/completions`, stream=True, `logprobs` on so
-each chunk says how many tokens it carries). Once each has sent a few tokens, `SYNCS` new versions
-are synced while they decode, `SYNC_EVERY_S` apart. The streams are read by a separate process (`python -m
-graft.bench.sync_stall URL MODEL N MAX_TOKENS`), so the sync's own Python work in this process never
-delays a reading; both processes stamp with the system-wide monotonic clock.
+`STREAMS` streams of greedy requests start decoding on it (`/v1/completions`, stream=True, `logprobs`
+on so each chunk says how many tokens it carries; a stream's next request starts when one ends). Once
+each has sent a few tokens, `SYNCS` new versions are synced while they decode, `SYNC_EVERY_S` apart.
+The streams are read by a separate process (`python -m graft.bench.sync_stall URL MODEL N MAX_TOKENS`),
+so the sync's own Python work in this process never delays a reading; both processes stamp with the
+system-wide monotonic clock.
 
 A chunk of k tokens that came dt after the request's previous chunk counts k gaps of dt/k for the
 median (the decode pace), and a gap of dt if it overlaps a sync (a token waited that long at most).
@@ -18,6 +19,7 @@ which closes the streams and so aborts the requests.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -38,16 +40,20 @@ SETTLE_TOKENS = 3  # tokens each stream sends before the first sync and after th
 # -- the reader process ---------------------------------------------------------------------------
 
 async def _stream(http: httpx.AsyncClient, url: str, model: str, index: int, max_tokens: int) -> None:
-    """Stream one greedy completion; print `index monotonic-time tokens` for every chunk with tokens."""
-    body = {"model": model, "prompt": [11 + index, 12, 13, 14], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 1}
-    async with http.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                tokens = len((json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("tokens") or ())
-                if tokens:
-                    print(index, time.monotonic(), tokens, flush=True)
+    """Stream greedy completions one after another until the process is stopped; print `index request
+    monotonic-time tokens` for every chunk with tokens. A request that ends is followed by the next, so
+    the probe never runs out of decoding however long the syncs take (a loaded CI machine once took
+    longer than 2000 tokens for one)."""
+    for request in itertools.count():
+        body = {"model": model, "prompt": [11 + index, 12, 13, 14], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "logprobs": 1}
+        async with http.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    tokens = len((json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("tokens") or ())
+                    if tokens:
+                        print(index, request, time.monotonic(), tokens, flush=True)
 
 
 async def _read_streams(url: str, model: str, streams: int, max_tokens: int) -> None:
@@ -74,32 +80,40 @@ def stall_of(chunks: list[list[tuple[float, int]]], windows: list[tuple[float, f
 
 
 class _Reader:
-    """The reader process and the chunks it reported so far."""
+    """The reader process and the chunks it reported so far, per request (a stream's requests follow
+    one another: the gap between two of them is a new prefill, not a decoding gap, so it is not one)."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
-        self.chunks: list[list[tuple[float, int]]] = [[] for _ in range(STREAMS)]
+        self.requests: dict[tuple[int, int], list[tuple[float, int]]] = {}
         self._pump = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         async for line in self.process.stdout:
             fields = line.split()
-            if len(fields) != 3:  # the line it was writing when `stop` killed it
+            if len(fields) != 4:  # the line it was writing when `stop` killed it
                 continue
-            index, at, tokens = fields
-            self.chunks[int(index)].append((float(at), int(tokens)))
+            index, request, at, tokens = fields
+            self.requests.setdefault((int(index), int(request)), []).append((float(at), int(tokens)))
+
+    @property
+    def chunks(self) -> list[list[tuple[float, int]]]:
+        return list(self.requests.values())
 
     async def wait_for(self, counts: list[int]) -> None:
-        """Until request i has sent `counts[i]` tokens."""
-        while any(sum(t for _, t in c) < n for c, n in zip(self.chunks, counts)):
+        """Until stream i has sent `counts[i]` tokens."""
+        while any(n > sent for n, sent in zip(counts, self.tokens())):
             if self._pump.done():
                 await self.process.wait()
-                raise RuntimeError(f"the stream reader stopped early (exit {self.process.returncode}): "
-                                   "its streams ended before the syncs did, or failed")
+                raise RuntimeError(f"the stream reader stopped (exit {self.process.returncode}): a request failed")
             await asyncio.sleep(0.005)
 
     def tokens(self) -> list[int]:
-        return [sum(t for _, t in c) for c in self.chunks]
+        """Tokens each stream sent so far, over its requests."""
+        sent = [0] * STREAMS
+        for (index, _), chunks in self.requests.items():
+            sent[index] += sum(t for _, t in chunks)
+        return sent
 
     async def stop(self) -> None:
         if self.process.returncode is None:
@@ -146,12 +160,10 @@ async def _syncs_while_decoding(sync, policy, reader: _Reader, windows: list[tup
     await reader.wait_for([n + SETTLE_TOKENS for n in reader.tokens()])
 
 
-def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_tokens: int = 2000,
+def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_tokens: int = 500,
                     syncs: int = SYNCS) -> dict:
     """Rows `{"model", "transport", "median_gap_s", "max_gap_during_sync_s", "ratio", ...}`, `syncs` per
-    transport. The streams must outlive the syncs (they are stopped after them), so `max_tokens` is ample
-    (the shapes hold 2048 positions): the tiny model decodes 500 tokens in ~1.5 s, and a loaded CI machine
-    once took longer than that for one sync."""
+    transport; each stream's requests ask for `max_tokens` (the bench server holds 512 positions)."""
     from graft.bench.sync import ADAPTER_MODES, SHAPES, bench_server
     from graft.lora.attach import attach_lora
     from graft.models.loading import load_model
@@ -160,7 +172,7 @@ def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_token
     for name in models:
         shape = SHAPES[name]
         with (tempfile.TemporaryDirectory(prefix=f"graft-bench-stall-{name}-") as tmp,
-              bench_server(shape, Path(tmp), shape.rank, console, max_model_len=max_tokens + 8) as (base, server)):
+              bench_server(shape, Path(tmp), shape.rank, console) as (base, server)):
             policy = attach_lora(load_model(base, dtype="bfloat16"), rank=shape.rank, alpha=2 * shape.rank, seed=0)
             for transport in ADAPTER_MODES.values():
                 with console.status(f"{name}: {STREAMS} streams decoding across {syncs} syncs by {transport}"):

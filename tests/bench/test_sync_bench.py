@@ -24,7 +24,8 @@ def test_sync_bench_measures_every_mode_against_a_real_server():
 
 @pytest.mark.vllm
 def test_the_stall_probe_times_tokens_of_requests_decoding_across_a_sync_by_each_transport():
-    result = run_stall_probe(("tiny",), syncs=1)
+    # Requests of 40 tokens (~0.1 s): each stream's requests follow one another across the sync.
+    result = run_stall_probe(("tiny",), syncs=1, max_tokens=40)
     assert [row["transport"] for row in result["rows"]] == ["disk", "memory", "shm"]
     for row in result["rows"]:
         assert row["gaps_during_sync"] >= 1 and row["gaps"] > row["gaps_during_sync"]
