@@ -5,6 +5,7 @@ must leave as it found it: serving the tiny fp32 qwen2 base weights, with no ada
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from graft.models.tiny import build_tiny_model  # noqa: E402
+from graft.rollout.launcher import ServerProcess, log_tail  # noqa: E402
 from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig, sglang_missing  # noqa: E402
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig  # noqa: E402
 from tests.helpers import kernel_stub_calls, live_group_members  # noqa: E402
@@ -27,6 +29,37 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Lines of a server's log that name why it failed (vLLM: "EngineCore encountered an issue. See stack
+# trace (above)" is all a client hears; the stack trace is in the server's log).
+_LOG_CAUSE_RE = re.compile(r"Error|Exception|Killed|fatal", re.IGNORECASE)
+
+
+def _servers_of(item) -> list[ServerProcess]:
+    """The servers a test's fixtures hold, alone or in lists."""
+    values = []
+    for value in getattr(item, "funcargs", {}).values():
+        values += value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, ServerProcess) and v.log_path is not None]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that held servers reports each one's log tail, and its last error lines in the
+    one-line summary too (CI shows the summary whole but elides the middle of a long output)."""
+    report = (yield).get_result()
+    if not (report.failed and call.when == "call"):
+        return
+    for server in _servers_of(item):
+        tail = log_tail(server.log_path, 400)
+        report.sections.append((f"log of {server.url} ({server.log_path}), last 60 lines",
+                                "".join(tail.splitlines(keepends=True)[-60:])))
+        causes = [line.strip()[:200] for line in tail.splitlines() if _LOG_CAUSE_RE.search(line)][-3:]
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if causes and crash is not None:
+            first, newline, rest = crash.message.partition("\n")  # the summary shows the first line
+            crash.message = f"{first} [log of {server.url}: {' | '.join(causes)}]{newline}{rest}"
 
 
 @pytest.fixture(scope="session")
