@@ -82,10 +82,12 @@ def _delivery_error(address: str, served: str, cause: str) -> re.Pattern:
 
 
 def _keep_generating(url: str, adapter: str, stop: threading.Event) -> None:
-    """Generations on `adapter` until `stop`, in two streams that start 0.6 s apart, so that one is
-    always running while the other starts its next request. Run in a thread of its own: the check's
-    local forwards hold the test's event loop, which would hold the streams too."""
-    request = GenerateRequest(tuple(range(10, 50)), SamplingParams(temperature=0, max_new_tokens=120,
+    """Generations on `adapter` until `stop`, in 4 streams that start 0.15 s apart, so that some are
+    always running while others start their next request, on a loaded machine too (requests of 400
+    tokens: ~0.5 s each on the tiny model; once, under load, this test failed with 2 streams of 120
+    tokens, and a gap between requests is one way it can). Run in a thread of its own:
+    the check's local forwards hold the test's event loop, which would hold the streams too."""
+    request = GenerateRequest(tuple(range(10, 50)), SamplingParams(temperature=0, max_new_tokens=400,
                                                                    ignore_eos=True))
 
     async def stream(client: VllmClient, delay_s: float) -> None:
@@ -95,7 +97,7 @@ def _keep_generating(url: str, adapter: str, stop: threading.Event) -> None:
 
     async def streams() -> None:
         async with VllmClient(url) as client:
-            await asyncio.gather(stream(client, 0.0), stream(client, 0.6))
+            await asyncio.gather(*(stream(client, 0.15 * i) for i in range(4)))
 
     asyncio.run(streams())
 
