@@ -81,7 +81,7 @@ def stall_of(chunks: list[list[tuple[float, int]]], windows: list[tuple[float, f
 
 class _Reader:
     """The reader process and the chunks it reported so far, per request (a stream's requests follow
-    one another: the gap between two of them is a new prefill, not a decoding gap, so it is not one)."""
+    one another: the gap between two of them is a new prefill, not a decoding gap, and is not counted)."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
