@@ -10,7 +10,8 @@ mini-batches per rollout batch, LoRA r=8 on all linear layers, AdamW lr 1e-3, fp
   seconds run out (its final point in the race), then on to graft's batch count: its later points
   only pair with graft's at equal batch counts (`per_batch_gaps`). With its own prompts, on SmolLM2
   (a handful of groups with any signal per batch) which prompts each side drew decided what it learnt
-  first: graft was 16-28 points ahead after 4 batches on every seed, on the same prompts -7 to 0.
+  first: graft was 16-28 points ahead after 4 batches on every seed; on the same prompts -6.9 to
+  +12.5 after 4, 8 and 12 batches (mean -0.6 over seeds 0-2).
 The clock counts training steps only (not model loading, server start-up or evaluation). Every
 point, graft's and TRL's, is scored by the same evaluator: greedy answers from the same vLLM server
 to the same 1000 held-out prompts (`EVAL_EXAMPLES`).
