@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: venv sglang-venv quickstart test gpu-check clean
+.PHONY: venv sglang-venv quickstart test gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ test: venv
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# For a GPU box offline: the wheels gpu-check installs from (GPU_CHECK_ARGS="--wheels .whl").
+gpu-wheels:
+	scripts/gpu_wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -12,7 +12,9 @@ Checks, in order (each one a fresh process, so one failure never hides the next)
   match the trainer's within `sync.verify`'s tolerance, or the run fails).
 - `resume`: a run stopped after its checkpoint goes on with `--resume` to the end.
 - `export`: the trained adapter merged into a standalone model, which then loads.
-- `update bench`: one GRPO update at the Qwen2.5-0.5B shape (`graft bench update`).
+- `update bench`: one GRPO update at the Qwen2.5-0.5B shape (`graft bench update`); with
+  `--update-sweep` also graft's update in the settings of `UPDATE_SWEEP`, side by side, and a profile
+  of each (a few minutes more: beyond the ten).
 
 `--out DIR` keeps every check's log and writes gpu-check.json and gpu-check.md (the table).
 """
@@ -39,6 +41,11 @@ NEEDED = {"pydantic": "pydantic>=2.12", "yaml": "pyyaml>=6", "httpx": "httpx>=0.
 MODES = ("adapter", "merged")
 DTYPES = ("float32", "bfloat16")
 STALENESS = (0, 1)
+# `--update-sweep`: the update's settings a GPU should choose among (`graft bench update --variant`);
+# graft's defaults are the bench's own "graft" side.
+UPDATE_SWEEP = ("lora-fp32:train.lora_compute_dtype=float32", "compiled:train.compile=true",
+                "tokens-32k:train.max_tokens_per_micro_batch=32768", "head-2k:train.logit_chunk_tokens=2048",
+                "all-three:train.compile=true,train.max_tokens_per_micro_batch=32768,train.logit_chunk_tokens=2048")
 
 
 def install_missing(site: Path, wheels: Path | None) -> list[str]:
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=4, help="train runs side by side (default 4)")
     parser.add_argument("--skip", default="", help="comma-separated: tests,train,resume,bench")
     parser.add_argument("--bench-args", default="", help="extra arguments for `graft bench update`")
+    parser.add_argument("--update-sweep", action="store_true",
+                        help="the update bench also in UPDATE_SWEEP's settings, each profiled (minutes more)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per train/resume/export check")
     parser.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the checks on the CPU")
     args = parser.parse_args(argv)
@@ -205,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if "resume" not in skip:
         run_resume_and_export(checks, base, args.steps)
     if "bench" not in skip:
+        sweep = [f"--variant={v}" for v in UPDATE_SWEEP] + ["--profile", str(args.out / "update-profile")]
         checks.run("update bench", graft("bench", "update", "--json", str(args.out / "update.json"),
-                                         *args.bench_args.split()), timeout_s=360)
+                                         *args.bench_args.split(), *(sweep if args.update_sweep else [])),
+                   timeout_s=600 if args.update_sweep else 360)
     return report(checks.rows, device, time.monotonic() - started, args.out)
 
 

@@ -41,3 +41,12 @@ def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu
     steps = [json.loads(line)["step"] for line in (tmp_path / "run-resume" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert (tmp_path / "exported" / "config.json").exists()
+
+
+def test_the_update_sweep_names_settings_graft_accepts(gpu_check):
+    from graft.bench.update import parse_variants
+
+    variants = parse_variants(list(gpu_check.UPDATE_SWEEP), [])
+    assert len(variants) == len(gpu_check.UPDATE_SWEEP)
+    assert variants["all-three"] == ["train.compile=true", "train.max_tokens_per_micro_batch=32768",
+                                     "train.logit_chunk_tokens=2048"]

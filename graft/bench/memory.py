@@ -61,7 +61,8 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     set_up_host_memory(train)  # as `graft train` does
     model = attach_lora(build_model(spec["dims"], spec["layers"]), rank=16, alpha=32, seed=0)
     # As the trainer sets the model up: train.activation_checkpointing takes effect here, not in policy_update.
-    parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing)
+    parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing,
+                lora_compute_dtype=train.lora_compute_dtype, compile_layers=train.compile)
     model_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows, rewards_PG = memory_batch(spec["sequences"], spec["dims"]["vocab"], spec["prompt_tokens"],
                                     tuple(spec["completion_tokens"]))

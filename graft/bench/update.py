@@ -16,6 +16,8 @@ Each side runs in a fresh process: one warm-up update, then `--repeats` timed on
 reported with its CPU seconds. Useful FLOPs are implementation-independent (`update_measure.
 useful_flops`); on CUDA they are compared with the peak of a bf16 8192^3 matmul measured in this run.
 `--profile DIR` adds one profiled update per side after the timed ones (DIR/graft.txt, DIR/trl.txt).
+`--variant NAME:train.KEY=VALUE,...` adds graft sides with other settings ("graft NAME", each its own
+process, after graft's own), so that settings are compared in one run on the same device.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _graft_updates(spec: dict) -> dict:
     train = load_config(None, spec["overrides"]).train
     set_up_host_memory(train)  # as `graft train` does
     model = attach_lora(build_base(spec), rank=16, alpha=32, seed=0).to(spec["device"])
-    parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing)
+    parallelize(model, Dist(), activation_checkpointing=train.activation_checkpointing,
+                lora_compute_dtype=train.lora_compute_dtype, compile_layers=train.compile)
     clock = UpdateClock(spec["device"])
     model_bytes = clock.memory_bytes()
     rows, rewards_PG = memory_batch(spec["sequences"], spec["dims"]["vocab"], spec["prompt_tokens"],
@@ -80,13 +83,14 @@ def _graft_updates(spec: dict) -> dict:
         clock.stop()
     result = clock.result(model_bytes)
     if spec.get("profile"):
-        with UpdateProfile(spec["device"], Path(spec["profile"]) / "graft.txt"):
+        with UpdateProfile(spec["device"], Path(spec["profile"]) / f"{spec.get('label', 'graft')}.txt"):
             policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     return {**result, "optimizer_steps": steps, "non_embedding_parameters": non_embedding_parameters(model),
             "activation_checkpointing": train.activation_checkpointing,
             "checkpointed_layers": sum(bool(m.gradient_checkpointing) for m in layers),
-            "lora_dtype": str(next(iter(lora_parameters(model).values())).dtype).removeprefix("torch.")}
+            "lora_dtype": str(next(iter(lora_parameters(model).values())).dtype).removeprefix("torch."),
+            "overrides": spec["overrides"]}
 
 
 def measure_graft(spec: dict, work_dir: Path) -> dict:
@@ -174,6 +178,11 @@ def run_update_bench(spec: dict, sides: tuple[str, ...] = SIDES, console: Consol
     peak = peak_matmul_tflops() if spec["device"] == "cuda" else None
     measures = {"graft": lambda work: measure_graft(spec, work),
                 "trl": lambda work: measure_trl(spec, work, console)}
+    for name, overrides in spec.get("variants", {}).items():
+        label = f"graft {name}"
+        measures[label] = lambda work, o=overrides, label=label: measure_graft(
+            {**spec, "overrides": [*spec["overrides"], *o], "label": label.replace(" ", "-")}, work / label)
+        sides = (*sides, label)
     out = {"device": device_name(spec["device"]), "dtype": spec["dtype"], "peak_tflops": peak,
            "spec": {k: v for k, v in spec.items() if k != "profile"}, "sides": {}}
     with tempfile.TemporaryDirectory(prefix="graft-bench-update-") as work:
@@ -192,7 +201,8 @@ def print_update_report(result: dict) -> None:
     spec = result["spec"]
     table = Table(title=f"graft bench update: one GRPO update, {spec['layers']} layers of the Qwen2.5-0.5B shape, "
                         f"{result['dtype']} base, LoRA r16 fp32, on {result['device']}")
-    for column in ("side", "s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
+    table.add_column("side", no_wrap=True)
+    for column in ("s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
         table.add_column(column, justify="right")
     for side, s in result["sides"].items():
         fraction = f"{s['peak_fraction']:.1%}" if s["peak_fraction"] is not None else "-"
@@ -222,6 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--override", action="append", default=[], metavar="train.KEY=VALUE",
                         help="graft's train config overrides (repeatable)")
     parser.add_argument("--profile", metavar="DIR", help="one more, profiled, update per side: DIR/SIDE.txt")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:train.KEY=VALUE,...",
+                        help="one more graft side, 'graft NAME', with these overrides on top of -o (repeatable)")
 
 
 def update_spec(args: argparse.Namespace) -> dict:
@@ -235,12 +247,36 @@ def update_spec(args: argparse.Namespace) -> dict:
         raise ValueError(f"--sides {args.sides!r}: choose from {', '.join(SIDES)}")
     if args.sequences < GROUP or args.sequences % GROUP or args.repeats < 1:
         raise ValueError(f"--sequences must be a multiple of {GROUP} and --repeats at least 1")
+    variants = parse_variants(args.variant, args.override)
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     return {"dims": DIMS, "layers": args.layers, "sequences": args.sequences, "prompt_tokens": args.prompt_tokens,
             "completion_tokens": args.completion_tokens, "device": device, "dtype": dtype, "repeats": args.repeats,
-            "config": args.trl_config, "overrides": args.override, "sides": list(sides),
+            "config": args.trl_config, "overrides": args.override, "sides": list(sides), "variants": variants,
             "profile": str(Path(args.profile).resolve()) if args.profile else None}
+
+
+def parse_variants(flags: list[str], overrides: list[str]) -> dict[str, list[str]]:
+    """`--variant NAME:train.KEY=VALUE,...` flags as {NAME: overrides}, each checked against graft's
+    config (with `-o`'s) before anything runs.
+
+    Raises:
+        ValueError: a flag without a name or overrides, a name given twice, or an override the config refuses.
+    """
+    from graft.config import ConfigError, load_config
+
+    variants: dict[str, list[str]] = {}
+    for flag in flags:
+        name, _, listed = flag.partition(":")
+        items = [item.strip() for item in listed.split(",") if item.strip()]
+        if not name.strip() or not items or name.strip() in variants:
+            raise ValueError(f"--variant {flag!r}: give a new NAME and its overrides, as NAME:train.KEY=VALUE,...")
+        try:
+            load_config(None, [*overrides, *items])
+        except (ConfigError, ValueError) as e:
+            raise ValueError(f"--variant {flag!r}: {e}") from None
+        variants[name.strip()] = items
+    return variants
 
 
 def run(args: argparse.Namespace) -> dict:

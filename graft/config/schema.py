@@ -186,6 +186,17 @@ class TrainConfig(ObjectiveFields):
         "at once (glibc's mmap threshold fixed at 128 KiB for the process: the least memory, a page fault per 4 KiB "
         "on every reuse); glibc: glibc's own dynamic threshold. auto: cached for a model on the CPU, glibc on a GPU. "
         "Measured with graft bench update at the 24-layer Qwen2.5-0.5B shape on 2 CPU cores: see docs/benchmarks.md.")
+    lora_compute_dtype: Literal["base", "float32"] = Field(
+        "base", description="The dtype of the LoRA path's matmuls in the update on a bfloat16/float16 base. base: the "
+        "base's dtype (the fp32 LoRA factors cast in each forward; their gradients and AdamW's state stay fp32), as "
+        "FSDP2's mixed precision computes it on several ranks and the engines' LoRA kernels do; float32: PEFT's "
+        "one-process way, each LoRA layer's input and output copied to fp32 and the input's copy kept for the "
+        "backward (graft/lora/fused.py). The same with a float32 base. Measured: see docs/benchmarks.md.")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer of the trained model (inductor: the layer's elementwise "
+        "ops fused into fewer kernels, fewer launches), forward, recompute and backward; the first update (and each "
+        "new shape, once) waits for the compiler. Same results to float rounding. Measured: see docs/benchmarks.md "
+        "(graft bench update --variant). Not with dist.tp > 1.")
     max_tokens_per_micro_batch: int | None = Field(
         8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
         "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "
@@ -245,6 +256,13 @@ class GraftConfig(Section):
             name = {"vllm": "vLLM", "sglang": "SGLang"}[rollout.engine]
             raise ConfigError(f"rollout.urls is empty and rollout.launch is false: no {name} server to talk to",
                               keys=("rollout.urls", "rollout.launch", "rollout.engine"))
+        return self
+
+    @model_validator(mode="after")
+    def _check_compile(self) -> "GraftConfig":
+        if self.train.compile and self.dist.tp > 1:
+            raise ConfigError("train.compile is not supported with dist.tp > 1 (compiled tensor-parallel layers are "
+                              "untested); set train.compile=false", keys=("train.compile", "dist.tp"))
         return self
 
     @model_validator(mode="after")

@@ -42,11 +42,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from graft.config import ALL_LINEAR
 from graft.lora.attach import lora_parameters
+from graft.lora.fused import fused_lora
 from graft.models.loading import model_dtype
 from graft.train.dist import Dist, mesh_device
 
 
-def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool | str = False) -> nn.Module:
+def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool | str = False,
+                lora_compute_dtype: str = "base", compile_layers: bool = False) -> nn.Module:
     """Parallelise `model` on `ctx`'s mesh, in this order (torchtitan's):
 
     1. tensor parallelism over the mesh's `tp` dimension (`dist.tp` > 1; `apply_tp`): first, because
@@ -55,8 +57,10 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool |
        then shards further over dp;
     2. activation checkpointing per decoder layer (`apply_ac`; "auto": as many layers as the memory
        needs, per micro-batch): each layer keeps only its input for the backward and recomputes the
-       rest (its TP collectives included); before FSDP2, so each sharded unit is a checkpointed layer;
-    3. compile — not used (an `apply_compile` would go here, before FSDP2, as in torchtitan);
+       rest (its TP collectives included); before FSDP2, so each sharded unit is a checkpointed layer
+       (auto measures the layers' activations as the update computes its LoRA path: `lora_compute_dtype`);
+    3. compile (`train.compile`; `apply_compile`): each decoder layer, checkpointed or not, compiled
+       whole; before FSDP2, whose units are then compiled layers (torchtitan's order);
     4. FSDP2 over the mesh's `dp` dimension (`apply_fsdp`): each decoder layer one unit, the rest the
        root (one data-parallel rank: nothing to shard), with the mixed-precision policy of the base's
        dtype (`mixed_precision`). Its parameters become 2-D DTensors (dp, tp); gradients are reduced
@@ -66,8 +70,9 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool |
         apply_tp(model, ctx.mesh["tp"])
     if activation_checkpointing:  # 2. auto's choice follows each rank's free memory, and TP ranks must
         # recompute the same layers (the recomputation repeats their collectives): under TP, every layer
-        apply_ac(model, True if ctx.tp > 1 else activation_checkpointing)
-    # 3. compile: graft does not compile; `apply_compile(model)` would stand here.
+        apply_ac(model, True if ctx.tp > 1 else activation_checkpointing, lora_compute_dtype)
+    if compile_layers:  # 3.
+        apply_compile(model)
     return apply_fsdp(model, ctx)  # 4.
 
 
@@ -202,22 +207,34 @@ class Rowwise(RowwiseParallel):
 # --- 2. activation checkpointing --------------------------------------------------------------------------
 
 # `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
-# log-softmax, then whole decoder layers) take this share of the memory available when the model is
-# set up (per rank on a shared host). Measured at the 24-layer Qwen2.5-0.5B shape on the CPU (one
-# update of 8 x 384 tokens, ~21 GiB available, `train.host_memory: cached`, the second update):
-# a sixth held 5.78 GiB above the model, an eighth 4.94 GiB (both ~60 CPU-s), a twelfth 4.11 GiB
-# (66 CPU-s), every layer checkpointed 2.82 GiB (80 CPU-s); TRL's update, gradient checkpointing and
-# fp32 logits of every completion token, ~4.4 GiB in `graft bench update` (docs/benchmarks.md).
-AUTO_MEMORY_FRACTION = 1 / 12
+# log-softmax, then whole decoder layers) take this share of the memory available. On the CPU: of the
+# host's available memory when the model is set up (per rank on a shared host). Measured at the
+# 24-layer Qwen2.5-0.5B shape (one update of 8 x 384 tokens, ~21 GiB available, `train.host_memory:
+# cached`, the second update): a sixth held 5.78 GiB above the model, an eighth 4.94 GiB (both ~60
+# CPU-s), a twelfth 4.11 GiB (66 CPU-s), every layer checkpointed 2.82 GiB (80 CPU-s); TRL's update,
+# gradient checkpointing and fp32 logits of every completion token, ~4.4 GiB in `graft bench update`
+# (docs/benchmarks.md). The host's memory is shared with the engines and everything else on it; a GPU's
+# is the trainer's but for what an engine on the same GPU has taken, so on CUDA the share is of the
+# memory free at each micro-batch (the driver's free memory and what torch's caching allocator holds
+# unused), which counts an engine started after the trainer too. Half: the rest is for what is not
+# kept (each layer's transient intermediates, the head's chunk). On one H100 (2026-11-26) the update
+# of 64 x (128 + 512/256) tokens at this shape took 2.00 s with every layer checkpointed in 8192-token
+# micro-batches, 1.14 s with none in one 32,768-token micro-batch (64.8 GB peak).
+AUTO_MEMORY_FRACTION = {"cpu": 1 / 12, "cuda": 1 / 2}
 _PROBE_TOKENS = 64
 
 
-def apply_ac(model: nn.Module, mode: bool | str = True) -> None:
+def apply_ac(model: nn.Module, mode: bool | str = True, lora_compute_dtype: str = "base") -> None:
     """Checkpoint decoder layers: HF's per-layer hook keeps module and parameter names unchanged
     (PEFT keys, checkpoints); non-reentrant, so LoRA weights inside a layer get gradients although its
     input needs none. `mode` True: every layer; "auto": as many as `ActivationMemory.fit` decides per
-    micro-batch (the model's `graft_activation_memory`)."""
-    memory = ActivationMemory.measure(model) if mode == "auto" else None
+    micro-batch (the model's `graft_activation_memory`), measured on the update's forward
+    (`graft.lora.fused`; `train.lora_compute_dtype`: at the 2-layer Qwen2.5-0.5B shape in bf16 a layer
+    saves 82,048 bytes per token with its LoRA path in fp32, 64,960 in bf16)."""
+    memory = None
+    if mode == "auto":
+        with fused_lora(model, lora_compute_dtype == "base"):
+            memory = ActivationMemory.measure(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if memory is not None:
         memory.layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
@@ -237,14 +254,15 @@ class ActivationMemory:
 
     layer_bytes_per_token: float
     head_bytes_per_token: int
-    budget_bytes: int
+    budget_bytes: int | None  # None: measured at each micro-batch (CUDA)
     layers: list[nn.Module] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def measure(cls, model: nn.Module) -> ActivationMemory:
         """Bytes one layer saves for the backward per token, counted on a short forward (the tensors
         autograd saves, parameters aside), and the budget: `AUTO_MEMORY_FRACTION` of what is
-        available now."""
+        available now (on CUDA: at each micro-batch)."""
         device = next(model.parameters()).device
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
@@ -264,8 +282,8 @@ class ActivationMemory:
         model.train(training)
         layers = model.config.num_hidden_layers
         head = model.get_output_embeddings().weight.shape[0] * 4  # float32 log-softmax
-        return cls(sum(saved.values()) / _PROBE_TOKENS / layers, head,
-                   int(available_memory_bytes(device) * AUTO_MEMORY_FRACTION))
+        budget = None if device.type == "cuda" else int(available_memory_bytes(device) * AUTO_MEMORY_FRACTION["cpu"])
+        return cls(sum(saved.values()) / _PROBE_TOKENS / layers, head, budget, device=device)
 
     def fit(self, tokens: int, scored_tokens: int) -> bool:
         """Checkpoint the fewest decoder layers (the first ones: the last layers' activations are
@@ -273,6 +291,8 @@ class ActivationMemory:
         laid-out tokens, `scored_tokens` of them scored by the head, keeps within the budget; whether
         the head keeps its log-softmax (else it recomputes)."""
         left = self.budget_bytes
+        if left is None:
+            left = int(available_memory_bytes(self.device) * AUTO_MEMORY_FRACTION["cuda"])
         keep_head = scored_tokens * self.head_bytes_per_token <= left
         left -= keep_head * scored_tokens * self.head_bytes_per_token
         kept = min(len(self.layers), int(left // max(tokens * self.layer_bytes_per_token, 1.0)))
@@ -282,10 +302,11 @@ class ActivationMemory:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory of a GPU, or the host's available memory shared by the ranks on it
-    (`LOCAL_WORLD_SIZE`, torchrun's)."""
+    """Free memory of a GPU (the driver's, and what torch's caching allocator holds unused), or the
+    host's available memory shared by the ranks on it (`LOCAL_WORLD_SIZE`, torchrun's)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + unused
     try:
         with open("/proc/meminfo") as meminfo:
             kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
@@ -293,6 +314,19 @@ def available_memory_bytes(device: torch.device) -> int:
     except (OSError, StopIteration):
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+# --- 3. compile -------------------------------------------------------------------------------------------
+
+def apply_compile(model: nn.Module) -> None:
+    """`torch.compile` each decoder layer (its module's call, so hooks, names and HF's per-layer
+    checkpointing stay as they are; a checkpointed layer recomputes through the compiled code). The
+    layers share one compiled graph per mode: their code is the same and parameters are inputs, and the
+    LoRA layers' fused forward is a class attribute with its mode a value (`graft.lora.fused`), not a
+    per-layer object Dynamo would guard by identity. New shapes recompile once, then as dynamic."""
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            module.compile()
 
 
 # --- 4. FSDP2 ---------------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ class PolicyState:
         self.config, self.ctx, self.pad_id = config, ctx, pad_id
         self.checkpoints = run_dir / "checkpoints"
         self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
-        parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing)
+        parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing,
+                    lora_compute_dtype=config.train.lora_compute_dtype, compile_layers=config.train.compile)
         # What the sync publishes and verifies (rank 0): with one rank the model itself; sharded, the
         # LoRA weights gathered after each step (a LoRA-only gather) plus collectives for the rest.
         self._lora: dict[str, torch.Tensor] = {}

@@ -147,11 +147,13 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     measures that gap every step. `logprob_abs_diff_max` compares the engine's log-probs of the sampled
     tokens with the trainer's before the update — they agree when the samples are on-policy.
     Every LoRA layer adds its delta inside its matmul (`fused_lora`: PEFT's sum, fewer passes over
-    the outputs), forward, backward and recompute alike. On the CPU the update's freed blocks stay in
+    the outputs), forward, backward and recompute alike, in the base's dtype unless
+    `train.lora_compute_dtype` says float32. On the CPU the update's freed blocks stay in
     the process for its next blocks and the next update (`train.host_memory`, `update_memory_cached`).
     """
     device = next(model.parameters()).device
-    with fused_lora(model), update_memory_cached(host_memory_mode(train, device)):
+    in_base_dtype = train.lora_compute_dtype == "base"
+    with fused_lora(model, in_base_dtype), update_memory_cached(host_memory_mode(train, device)):
         return _update(model, optimizer, batch, train, pad_id, ctx, step)
 
 

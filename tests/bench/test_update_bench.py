@@ -43,6 +43,29 @@ def test_graft_side_writes_the_json_contract_and_a_profile(monkeypatch, tmp_path
     assert not (tmp_path / "profile" / "trl.txt").exists()
 
 
+def test_variants_add_graft_sides_with_their_settings(monkeypatch, tmp_path):
+    result = _bench(monkeypatch, tmp_path, "--sides", "graft", "-o", "train.activation_checkpointing=false",
+                    "--variant", "ckpt:train.activation_checkpointing=true, train.logit_chunk_tokens=3",
+                    "--variant", "packed-off:train.pack_sequences=false", "--profile", str(tmp_path / "profile"))
+    assert list(result["sides"]) == ["graft", "graft ckpt", "graft packed-off"]
+    graft, ckpt = result["sides"]["graft"], result["sides"]["graft ckpt"]
+    assert graft["overrides"] == ["train.activation_checkpointing=false"] and graft["checkpointed_layers"] == 0
+    assert ckpt["overrides"] == ["train.activation_checkpointing=false", "train.activation_checkpointing=true",
+                                 "train.logit_chunk_tokens=3"]
+    assert ckpt["checkpointed_layers"] >= 2 and ckpt["tokens"] == graft["tokens"]  # both layers
+    steps = {name: side["optimizer_steps"] for name, side in result["sides"].items()}
+    assert steps == dict.fromkeys(result["sides"], 2)  # warm-up and timed; the profiled update not counted
+    assert (tmp_path / "profile" / "graft-packed-off.txt").exists()
+
+
+@pytest.mark.parametrize("variant", ["train.lr=1", "x:", ":train.lr=1", "x:train.no_such_key=1",
+                                     "x:train.lora_compute_dtype=float16"])
+def test_refuses_a_variant_without_a_name_or_with_a_bad_setting(monkeypatch, tmp_path, capsys, variant):
+    out = tmp_path / "update.json"
+    assert main(["bench", "update", *TINY_FLAGS, "--json", str(out), "--variant", variant]) == 2
+    assert "--variant" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("flags, named", [(["--sides", "graft,vllm"], "--sides"), (["--sides", ""], "--sides"),
                                           (["--sequences", "12"], "--sequences"), (["--repeats", "0"], "--repeats")])
 def test_refuses_unknown_sides_and_partial_groups(monkeypatch, tmp_path, capsys, flags, named):

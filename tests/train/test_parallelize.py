@@ -51,7 +51,8 @@ def _lr(overrides: list[str]) -> float:
 def _updates(model_dir, ctx: Dist, n_prompts: int, group: int, overrides: list[str]) -> tuple[list[dict], dict]:
     config = load_config(None, ["train.kl_coef=0.05", "train.entropy_coef=0.01", "train.lr=1e-2", *overrides])
     model = parallelize(trained_like_peft_model(model_dir), ctx,
-                        activation_checkpointing=config.train.activation_checkpointing)
+                        activation_checkpointing=config.train.activation_checkpointing,
+                        compile_layers=config.train.compile)
     optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=config.train.lr)
     metrics = []
     for step in range(UPDATES):
@@ -82,6 +83,7 @@ def _rank_main(rank: int, model_dir, out_dir, init_file, n_prompts, group, overr
     (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3", "train.pack_sequences=false"]),
     (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
     (3, 2, ["train.activation_checkpointing=false", "train.max_tokens_per_micro_batch=16"]),
+    (3, 3, ["train.compile=true"]),  # compiled decoder layers as FSDP2's units
 ])
 def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
     _assert_two_ranks_like_one(tiny_model_dirs["qwen2"], tmp_path, n_prompts, group, overrides, overrides)
@@ -211,6 +213,26 @@ def test_shared_prompts_update_like_separate_rows(tiny_model_dirs, monkeypatch, 
                          ["train.share_prompts=true", *overrides], tol=1e-5)
 
 
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_compiled_layers_update_like_eager_and_compile_once(tiny_model_dirs, checkpointing):
+    """`train.compile`: the metrics and LoRA weights of the eager update (<= 1e-5; KL, entropy bonus,
+    TIS on), and nothing compiled again after the first update (when the fused LoRA forwards were
+    objects installed per layer and update, each update recompiled every layer)."""
+    from torch._dynamo.utils import counters
+
+    overrides = [f"train.activation_checkpointing={checkpointing}", "train.max_tokens_per_micro_batch="]
+    _assert_same_updates(tiny_model_dirs["qwen2"], overrides, [*overrides, "train.compile=true"], tol=1e-5)
+    config = load_config(None, ["train.kl_coef=0.05", *overrides, "train.compile=true"])
+    model = parallelize(trained_like_peft_model(tiny_model_dirs["qwen2"]), Dist(),
+                        activation_checkpointing=config.train.activation_checkpointing, compile_layers=True)
+    optimizer = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-3)
+    compiled = []
+    for step in range(3):  # the same rows each time: the same shapes
+        policy_update(model, optimizer, _batch(4, 3, seed=0), config.train, pad_id=0, step=step)
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[0] > 0 and compiled[1] == compiled[2] == compiled[0], compiled
+
+
 def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):
     """Per-layer activation checkpointing: the same metrics and LoRA weights (<= 1e-6), KL, entropy
     bonus and TIS on."""
@@ -228,6 +250,33 @@ def test_auto_checkpointing_fits_the_budget():
         memory.budget_bytes = budget
         assert memory.fit(tokens=50, scored_tokens=10) is keep_head
         assert [layer.gradient_checkpointing for layer in layers] == checkpointed
+
+
+def test_auto_checkpointing_on_cuda_fits_the_memory_free_at_each_micro_batch(monkeypatch):
+    """On CUDA the budget is half of what is free when each micro-batch starts (an engine that took
+    memory after the trainer was set up is counted), not a share fixed at set-up."""
+    from graft.train import parallelize as parallelize_module
+
+    free = []
+    monkeypatch.setattr(parallelize_module, "available_memory_bytes", lambda device: free[-1])
+    layers = [torch.nn.Module() for _ in range(4)]
+    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=None,
+                              layers=layers, device=torch.device("cuda", 0))
+    for free_bytes, keep_head, kept in [(10**9, True, 4), (2 * 20_000, True, 2), (0, False, 0)]:
+        free.append(free_bytes)
+        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
+        assert [layer.gradient_checkpointing for layer in layers] == [i < 4 - kept for i in range(4)]
+
+
+@pytest.mark.gpu
+def test_auto_checkpointing_on_cuda_keeps_every_layer_of_a_small_model(tiny_model_dirs):
+    """With a GPU's free memory the tiny model's micro-batches keep every layer and the head."""
+    model = parallelize(trained_like_peft_model(tiny_model_dirs["qwen2"]).to("cuda"), Dist(),
+                        activation_checkpointing="auto")
+    memory = model.graft_activation_memory
+    assert memory.budget_bytes is None and memory.device.type == "cuda"
+    assert memory.fit(tokens=8192, scored_tokens=4096) is True
+    assert not any(layer.gradient_checkpointing for layer in memory.layers)
 
 
 @pytest.mark.parametrize("keep_head", [False, True])
