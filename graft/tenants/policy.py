@@ -30,6 +30,7 @@ from graft.lora.routing import BASE_ONLY, routed
 from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
 from graft.sync.source import eval_mode
 from graft.tenants.losses import LOSSES
+from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 
 PASS_TOKENS = 4096  # padded tokens per forward pass (rows x longest row); more go in further passes
 
@@ -189,8 +190,10 @@ class TenantPolicy:
         """
         losses_fn, needs = self._check(datums, loss)
         results = []
-        for chunk in passes_of(datums, self.pass_tokens):
-            results += self._pass(chunk, losses_fn, needs, backward)
+        device = next(self.model.parameters()).device
+        with update_memory_cached(host_memory_mode("auto", device)):  # as the trainer's update
+            for chunk in passes_of(datums, self.pass_tokens):
+                results += self._pass(chunk, losses_fn, needs, backward)
         return results
 
     def _pass(self, datums: Sequence[Datum], losses_fn, needs, backward: bool) -> list[DatumResult]:

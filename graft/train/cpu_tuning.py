@@ -89,11 +89,11 @@ def set_up_host_memory(train: TrainConfig) -> None:
         return_freed_memory_to_the_os()
 
 
-def host_memory_mode(train: TrainConfig, device: torch.device) -> str:
-    """`train.host_memory` resolved: "auto" is "cached" for a model on the CPU, "glibc" elsewhere (a
-    GPU's activations are not the host's)."""
-    if train.host_memory != "auto":
-        return train.host_memory
+def host_memory_mode(setting: str, device: torch.device) -> str:
+    """A `train.host_memory` setting resolved: "auto" is "cached" for a model on the CPU, "glibc"
+    elsewhere (a GPU's activations are not the host's)."""
+    if setting != "auto":
+        return setting
     return "cached" if device.type == "cpu" else "glibc"
 
 

@@ -153,7 +153,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
     """
     device = next(model.parameters()).device
     in_base_dtype = train.lora_compute_dtype == "base"
-    with fused_lora(model, in_base_dtype), update_memory_cached(host_memory_mode(train, device)):
+    with fused_lora(model, in_base_dtype), update_memory_cached(host_memory_mode(train.host_memory, device)):
         return _update(model, optimizer, batch, train, pad_id, ctx, step)
 
 

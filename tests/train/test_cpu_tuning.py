@@ -100,10 +100,10 @@ def test_cached_updates_reuse_their_blocks_without_page_faults_until_the_run_giv
 
 def test_host_memory_auto_caches_on_the_cpu_only():
     auto = load_config(None, []).train
-    assert cpu_tuning.host_memory_mode(auto, torch.device("cpu")) == "cached"
-    assert cpu_tuning.host_memory_mode(auto, torch.device("cuda")) == "glibc"
+    assert cpu_tuning.host_memory_mode(auto.host_memory, torch.device("cpu")) == "cached"
+    assert cpu_tuning.host_memory_mode(auto.host_memory, torch.device("cuda")) == "glibc"
     returned = load_config(None, ["train.host_memory=returned"]).train
-    assert cpu_tuning.host_memory_mode(returned, torch.device("cpu")) == "returned"
+    assert cpu_tuning.host_memory_mode(returned.host_memory, torch.device("cpu")) == "returned"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
