@@ -86,12 +86,13 @@ def _make_switchable(layer: LoraLayer) -> None:
     type for the class's. Per-layer forwards compiled every layer apart and again at every update
     (each update installed new ones); a shared class and a mode held as a value compile once."""
     cls = type(layer)
-    if cls not in _SWITCHABLE.values():
-        if cls not in _SWITCHABLE:
-            _SWITCHABLE[cls] = type(cls.__name__, (cls,), {
-                "forward": _switchable_forward, "peft_forward": cls.forward, "graft_fused": None,
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        layer.__class__ = _SWITCHABLE[cls]
+    if cls in _SWITCHABLE.values():
+        return
+    if cls not in _SWITCHABLE:  # same name and module: PEFT's repr and isinstance checks are unchanged
+        _SWITCHABLE[cls] = type(cls.__name__, (cls,), {
+            "forward": _switchable_forward, "peft_forward": cls.forward, "graft_fused": None,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    layer.__class__ = _SWITCHABLE[cls]
 
 
 @contextlib.contextmanager
