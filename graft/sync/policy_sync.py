@@ -10,10 +10,13 @@ contract names (`sync_mode`, `sync_seconds`, `sync_bytes`, `engine_adapters_load
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from graft.atomic import atomic_write_text
 from graft.config import GraftConfig
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.pool import live_engine_count
@@ -23,7 +26,9 @@ from graft.sync.modes import SyncMode, build_sync_mode
 from graft.sync.result import SyncResult
 from graft.sync.served import ServedVersion
 from graft.sync.source import Policy, PolicySource, policy_source
-from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
+from graft.sync.verify import DEFAULT_TOLERANCE, calibrated_tolerance, noise_floor, verify_delivery
+
+log = logging.getLogger(__name__)
 
 
 def weights_dir_of(config: GraftConfig, run_dir: str | Path) -> Path:
@@ -53,7 +58,14 @@ class PolicySync:
         self.engine = engine
         self.inflight = inflight or InFlightVersions()
         self.verify = config.sync.verify
-        self.tolerance = config.sync.verify_tolerance or DEFAULT_TOLERANCE[config.model.dtype]
+        self.dtype = config.model.dtype
+        self.tolerance = config.sync.verify_tolerance or DEFAULT_TOLERANCE[self.dtype]
+        # `sync.verify_tolerance: null` on a half-precision model: measured at version 0 (`calibrate`),
+        # kept in the run directory for a resumed run.
+        self.calibration = Path(run_dir) / "verify-tolerance.json"
+        self.calibrating = config.sync.verify_tolerance is None and self.dtype != "float32"
+        if self.calibrating and self.calibration.exists():
+            self.tolerance, self.calibrating = json.loads(self.calibration.read_text())["tolerance"], False
         self.warn_only = config.sync.verify_action == "warn"
         weights_dir = weights_dir_of(config, run_dir)
         self.mode: SyncMode = build_sync_mode(config, engine, weights_dir, self.inflight)
@@ -90,6 +102,8 @@ class PolicySync:
         result, gap, verify_seconds = applied.result, None, 0.0
         if self.verify:
             start = time.perf_counter()
+            if self.calibrating and result.version == 0:
+                await self.calibrate(source or applied.source)
             gap = await verify_delivery(self.engine, source or applied.source, adapter=result.adapter,
                                         requested=self.request_adapter(result.version),
                                         tolerance=self.tolerance, warn_only=self.warn_only)
@@ -102,6 +116,17 @@ class PolicySync:
                 "sync_bytes": result.bytes, "engine_adapters_loaded": result.engine_adapters_loaded,
                 "sync_logprob_abs_diff_max": gap, "policy_version": result.version,
                 "engines_live": live_engine_count(self.engine)}
+
+    async def calibrate(self, policy: Policy) -> None:
+        """The delivery check's tolerance from the engines' gap to version 0, which adds nothing to the
+        base (`graft.sync.verify.NOISE_MARGIN`): what the engines' rounding is for this model, not what
+        another model's was. Only then: a later version's gap may include a failed delivery."""
+        floor = await noise_floor(self.engine, policy, self.request_adapter(0))
+        self.tolerance, self.calibrating = calibrated_tolerance(floor, self.dtype), False
+        atomic_write_text(self.calibration, json.dumps({"tolerance": self.tolerance, "floor": floor,
+                                                        "dtype": self.dtype}) + "\n")
+        log.info("delivery check: the engines' %s gap to version 0 is %.3g: tolerance %.3g", self.dtype, floor,
+                 self.tolerance)
 
     def discard_from(self, version: int) -> None:
         """Forget published versions >= `version` on disk, before (re)publishing from `version`."""

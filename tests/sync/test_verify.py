@@ -145,3 +145,34 @@ def test_the_probe_requests_what_rollouts_request_not_what_the_sync_loaded(base_
         with pytest.raises(DeliveryError, match="answers with the base model"):
             await verify_delivery(engine, policy, adapter="graft-v2", requested=None, tolerance=1e-3)
     asyncio.run(check())
+
+
+def test_a_version_the_probe_cannot_tell_from_the_base_is_not_reported_as_the_base_served(base_dir, tmp_path):
+    """The engine serves the adapter negated (base - delta), the policy is base + delta: off by ~2x the
+    adapter's own effect, within the tolerance of the base, but so is the policy. The check fails and
+    names no suspect the probe cannot tell from the policy (SmolLM2 in bf16 was reported as serving the
+    base model at version 1, its adapter barely off the base, by engine rounding alone)."""
+    import safetensors.torch
+
+    from graft.lora.adapter_io import ADAPTER_WEIGHTS
+    from graft.rollout.reference import ReferenceEngine
+    from graft.sync.source import policy_source
+    from graft.sync.verify import PROBE_PROMPT, probe_gap
+
+    model = trained_like_peft_model(base_dir, rank=8, seed=3)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.mul_(0.05)  # a version close to the base, as after one step
+    save_adapter(model, tmp_path / "sent")
+    tensors = safetensors.torch.load_file(tmp_path / "sent" / ADAPTER_WEIGHTS)
+    safetensors.torch.save_file({k: -t if "lora_B" in k else t for k, t in tensors.items()},
+                                tmp_path / "sent" / ADAPTER_WEIGHTS)
+    engine = ReferenceEngine(base_dir)
+
+    async def check():
+        adapter_effect = (await probe_gap(engine, policy_source(model), None, PROBE_PROMPT))[1]
+        await engine.load_adapter("graft-v1", str(tmp_path / "sent"))
+        with pytest.raises(DeliveryError) as failed:
+            await verify_delivery(engine, model, adapter="graft-v1", tolerance=1.25 * adapter_effect)
+        assert "base model" not in str(failed.value) and failed.value.gap > 1.25 * adapter_effect > 0
+    asyncio.run(check())
