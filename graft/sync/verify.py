@@ -195,6 +195,15 @@ async def noise_floor(engine: RolloutEngine, policy: Policy, requested: str | No
                 for member in members for probe in (PROBE_PROMPT, tuple(reversed(PROBE_PROMPT)))])
 
 
+async def base_calibrated_tolerance(engine: RolloutEngine, model: peft.PeftModel, dtype: str) -> float:
+    """A `dtype` server's tolerance from its base model against `model`'s base, whatever the adapter
+    under test did (`graft verify`: no version 0 of its own); fp32: the fixed one."""
+    if dtype == "float32":
+        return DEFAULT_TOLERANCE[dtype]
+    with adapter_disabled(model):
+        return calibrated_tolerance(await noise_floor(engine, ModelSource(model), None), dtype)
+
+
 def calibrated_tolerance(floor: float, dtype: str) -> float:
     """The delivery check's tolerance for a `dtype` model whose engines showed `floor` (NOISE_MARGIN)."""
     return max(DEFAULT_TOLERANCE[dtype], min(NOISE_MARGIN * floor, MAX_CALIBRATED))

@@ -16,16 +16,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from graft.rollout.factory import HTTP_CLIENTS
     from graft.sync.guard import check_finite_adapter_dir
     from graft.sync.served_adapter import verify_served_adapter
-    from graft.sync.verify import DEFAULT_TOLERANCE
+    from graft.sync.verify import base_calibrated_tolerance
 
     api_key = None
     if args.api_key_env is not None and not (api_key := os.environ.get(args.api_key_env)):
         raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
     model = check_finite_adapter_dir(args.base, args.dtype, args.adapter)  # before the server sees it
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
 
     async def check():
         async with HTTP_CLIENTS[args.engine](args.url, api_key=api_key) as engine:
+            tolerance = (args.tolerance if args.tolerance is not None
+                         else await base_calibrated_tolerance(engine, model, args.dtype))
             if args.load:
                 await engine.load_adapter(args.name, str(Path(args.adapter).resolve()))
             return await verify_served_adapter(engine, model, args.name, tolerance)
@@ -51,7 +52,8 @@ def add_verify_command(sub) -> None:
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the dtype the server computes in (vLLM --dtype; default float32)")
-    p.add_argument("--tolerance", type=float, help="largest allowed log-prob gap (default: 1e-3 for float32, "
-                                                   "0.1 for bfloat16)")
+    p.add_argument("--tolerance", type=float, help="largest allowed log-prob gap (default: 1e-3 for float32; for "
+                                                   "bfloat16 3x the server's base model's gap to --base here, "
+                                                   "within 0.1-0.5)")
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable holding the server's API key")
     p.set_defaults(func=cmd_verify)

@@ -176,3 +176,26 @@ def test_a_version_the_probe_cannot_tell_from_the_base_is_not_reported_as_the_ba
             await verify_delivery(engine, model, adapter="graft-v1", tolerance=1.25 * adapter_effect)
         assert "base model" not in str(failed.value) and failed.value.gap > 1.25 * adapter_effect > 0
     asyncio.run(check())
+
+
+def test_graft_verify_measures_a_bf16_server_s_tolerance_on_its_base_model(base_dir):
+    """`graft verify --dtype bfloat16` without --tolerance: 3x the server's base-model gap to the base
+    here (an adapter under test that failed to arrive cannot widen it); float32 keeps 1e-3."""
+    from dataclasses import replace
+
+    from graft.lora.attach import lora_parameters
+    from graft.rollout.reference import ReferenceEngine
+    from graft.sync.verify import NOISE_MARGIN, base_calibrated_tolerance
+
+    class Rounding(ReferenceEngine):
+        async def generate(self, requests, adapter=None):
+            answers = await super().generate(requests, adapter)
+            return [[replace(c, logprobs=tuple(lp + 0.12 * (i % 2) for i, lp in enumerate(c.logprobs)))
+                     for c in completions] for completions in answers]
+
+    model = trained_like_peft_model(base_dir, rank=8, seed=3)
+    engine = Rounding(base_dir)
+    bf16 = asyncio.run(base_calibrated_tolerance(engine, model, "bfloat16"))
+    assert bf16 == pytest.approx(NOISE_MARGIN * 0.12, rel=1e-3)
+    assert asyncio.run(base_calibrated_tolerance(engine, model, "float32")) == 1e-3
+    assert all(p.requires_grad for p in lora_parameters(model).values())  # the adapter is on again
