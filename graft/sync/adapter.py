@@ -301,10 +301,23 @@ class AdapterSync:
                 await self._unload(version)
             if failed := [v for v in self._loaded if v not in kept]:
                 self._log.warning("could not unload %s", [adapter_name(self._lora_name, v) for v in failed])
+            await self._unload_unrecorded(kept)
             if self._carrier is not None:
                 await self._carrier.flush()
                 self._carrier.close()
             self._lease.release()
+
+    async def _unload_unrecorded(self, kept: set[int]) -> None:
+        """Unload this run's versions the engine lists but graft never recorded as loaded: a load a
+        signal cancelled mid-request can complete on the server (a CI run's SIGTERM left v3 kept and a
+        v4 loaded). Best effort: an engine that is gone or refuses is logged."""
+        try:
+            listed = await self.engine_adapters()
+            for name in listed:
+                if adapter_version(self._lora_name, name) not in kept | set(self._loaded):
+                    await self._engine.unload_adapter(name)
+        except EngineError as error:
+            self._log.warning("could not check the engine for unrecorded versions: %s", error)
 
     # -- retirement --------------------------------------------------------------------------------
 
