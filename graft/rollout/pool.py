@@ -72,6 +72,11 @@ def engine_address(engine: object) -> str:
     return str(getattr(engine, "address", repr(engine)))
 
 
+def pool_members(engine: RolloutEngine) -> list[RolloutEngine]:
+    """A pool's live members, else the engine alone: what a per-engine check goes through."""
+    return engine.engines if isinstance(engine, EnginePool) else [engine]
+
+
 def live_engine_count(engine: RolloutEngine) -> int:
     """Engines serving the run: a pool's live members, else 1 (a single engine that failed has
     already ended the run)."""

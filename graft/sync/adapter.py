@@ -233,25 +233,33 @@ class AdapterSync:
                     raise
         return await self._carrier.prepare(version, step, weights, self._loaded)
 
-    async def _unload_stale(self) -> None:
-        """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
-        if isinstance(self._engine, EnginePool):  # on any member, not only those on all of them
+    async def _listed(self) -> list[str]:
+        """`<lora.name>-v*` adapters the engine(s) list, oldest version first (a pool: on any member,
+        not only those on all of them)."""
+        if isinstance(self._engine, EnginePool):
             names = set().union(*(await self._engine.adapters_by_engine()).values())
         else:
             names = set(await self._engine.list_adapters())
-        stale = sorted((n for n in names if adapter_version(self._lora_name, n) is not None),
-                       key=lambda n: adapter_version(self._lora_name, n))
-        if not stale:
-            return
-        await self._refuse_a_live_owner(stale)
-        self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
-                          len(stale), self._lora_name, ", ".join(stale))
-        for name in stale:
+        return sorted((n for n in names if adapter_version(self._lora_name, n) is not None),
+                      key=lambda n: adapter_version(self._lora_name, n))
+
+    async def _unload_names(self, names: list[str]) -> None:
+        for name in names:
             try:
                 await self._engine.unload_adapter(name)
             except EngineError as error:
                 if not _already_gone(error):
                     raise
+
+    async def _unload_stale(self) -> None:
+        """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
+        stale = await self._listed()
+        if not stale:
+            return
+        await self._refuse_a_live_owner(stale)
+        self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
+                          len(stale), self._lora_name, ", ".join(stale))
+        await self._unload_names(stale)
 
     async def _refuse_a_live_owner(self, names: list[str]) -> None:
         """Raise LoraNameInUseError if a live run loaded any of `names` (module docstring)."""
@@ -311,11 +319,10 @@ class AdapterSync:
         """Unload this run's versions the engine lists but graft never recorded as loaded: a load a
         signal cancelled mid-request can complete on the server (a CI run's SIGTERM left v3 kept and a
         v4 loaded). Best effort: an engine that is gone or refuses is logged."""
+        known = kept | set(self._loaded)
         try:
-            listed = await self.engine_adapters()
-            for name in listed:
-                if adapter_version(self._lora_name, name) not in kept | set(self._loaded):
-                    await self._engine.unload_adapter(name)
+            await self._unload_names([n for n in await self._listed()
+                                      if adapter_version(self._lora_name, n) not in known])
         except EngineError as error:
             self._log.warning("could not check the engine for unrecorded versions: %s", error)
 

@@ -38,7 +38,7 @@ from graft.config import LOOPBACK_HOSTS
 from graft.lora.adapter_io import AdapterWeights, write_adapter_blob_files, write_adapter_files
 from graft.rollout.adapter_blob import SegmentPool, adapter_blob
 from graft.rollout.engine import RolloutEngine
-from graft.rollout.pool import EnginePool
+from graft.rollout.pool import pool_members
 from graft.sync.publish import WeightPublisher, read_version, version_dir_name
 
 KIND = "adapter"
@@ -161,7 +161,7 @@ TRANSPORTS: dict[str, Callable[..., DiskTransport | MemoryTransport]] = {
 def offered(engine: RolloutEngine) -> set[str]:
     """The transports every live engine takes, by name: disk always, memory/shm where the engine
     has `load_adapter_blob`, shm only for engines on this host (a loopback URL)."""
-    engines = engine.engines if isinstance(engine, EnginePool) else [engine]
+    engines = pool_members(engine)
     names = {"disk", "memory", "shm"}
     for member in engines:
         kinds = set(getattr(member, "memory_transports", ())) if hasattr(member, "load_adapter_blob") else set()

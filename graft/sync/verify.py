@@ -43,7 +43,7 @@ from graft.rollout.engine import (
     RolloutEngine,
     SamplingParams,
 )
-from graft.rollout.pool import EnginePool, engine_address
+from graft.rollout.pool import EnginePool, engine_address, pool_members
 from graft.sync.source import ModelSource, Policy, PolicySource, policy_source
 
 # A fixed probe: token ids every tokenizer of a real model has; long enough to cross a 16-token KV
@@ -101,7 +101,7 @@ async def verify_delivery(engine: RolloutEngine, policy: Policy, *, adapter: str
     Raises:
         DeliveryError: the adapter is not listed, or a gap exceeds `tolerance` (unless warn_only).
     """
-    members = engine.engines if isinstance(engine, EnginePool) else [engine]
+    members = pool_members(engine)
     source = policy_source(policy)
     worst = 0.0
     for member in members:
@@ -190,7 +190,7 @@ async def noise_floor(engine: RolloutEngine, policy: Policy, requested: str | No
     probe and the probe reversed: the engines' rounding where `policy` is what they serve (a fresh
     run's version 0, whose LoRA adds nothing, whatever an engine made of it)."""
     source = policy_source(policy)
-    members = engine.engines if isinstance(engine, EnginePool) else [engine]
+    members = pool_members(engine)
     return max([(await probe_gap(member, source, requested, probe))[1]
                 for member in members for probe in (PROBE_PROMPT, tuple(reversed(PROBE_PROMPT)))])
 
