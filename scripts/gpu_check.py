@@ -42,10 +42,12 @@ MODES = ("adapter", "merged")
 DTYPES = ("float32", "bfloat16")
 STALENESS = (0, 1)
 # `--update-sweep`: the update's settings a GPU should choose among (`graft bench update --variant`);
-# graft's defaults are the bench's own "graft" side.
-UPDATE_SWEEP = ("lora-fp32:train.lora_compute_dtype=float32", "compiled:train.compile=true",
-                "tokens-32k:train.max_tokens_per_micro_batch=32768", "head-2k:train.logit_chunk_tokens=2048",
-                "all-three:train.compile=true,train.max_tokens_per_micro_batch=32768,train.logit_chunk_tokens=2048")
+# graft's defaults are the bench's own "graft" side (on CUDA, micro-batches and head chunks sized by the
+# free memory: graft/train/memory_budget.py). "fixed-8k": the sizes before that (8192-token micro-batches,
+# 64 MiB head chunks: 110 positions at the bench's vocabulary).
+UPDATE_SWEEP = ("fixed-8k:train.max_tokens_per_micro_batch=8192,train.logit_chunk_tokens=110",
+                "lora-fp32:train.lora_compute_dtype=float32", "compiled:train.compile=true",
+                "tokens-32k:train.max_tokens_per_micro_batch=32768", "head-8k:train.logit_chunk_tokens=8192")
 
 
 def install_missing(site: Path, wheels: Path | None) -> list[str]:

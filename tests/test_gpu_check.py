@@ -44,9 +44,12 @@ def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu
 
 
 def test_the_update_sweep_names_settings_graft_accepts(gpu_check):
+    from graft.bench.memory_shape import QWEN_SHAPE
     from graft.bench.update import parse_variants
+    from graft.rl.logprobs import DEFAULT_CHUNK_ELEMENTS
 
     variants = parse_variants(list(gpu_check.UPDATE_SWEEP), [])
     assert len(variants) == len(gpu_check.UPDATE_SWEEP)
-    assert variants["all-three"] == ["train.compile=true", "train.max_tokens_per_micro_batch=32768",
-                                     "train.logit_chunk_tokens=2048"]
+    # the sizes before memory-aware ones: the CPU's 64 MiB head chunk at the bench's vocabulary
+    assert variants["fixed-8k"] == ["train.max_tokens_per_micro_batch=8192",
+                                    f"train.logit_chunk_tokens={DEFAULT_CHUNK_ELEMENTS // QWEN_SHAPE['vocab']}"]

@@ -19,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from graft.config import DataConfig, TrainConfig
+from graft.config import DataConfig
 from graft.tasks import Example, get_reward, load_task_data
+from graft.train.memory_budget import MIN_AUTO_TOKENS
 
-# graft's train.max_tokens_per_micro_batch default: padded tokens per forward/backward.
-GRAFT_TOKEN_BUDGET = TrainConfig.model_fields["max_tokens_per_micro_batch"].default
+# graft's train.max_tokens_per_micro_batch on the CPU at real shapes (auto's least): padded tokens per
+# forward/backward.
+GRAFT_TOKEN_BUDGET = MIN_AUTO_TOKENS
 # TRL without gradient checkpointing keeps every layer's activations of a micro-batch: at most this many
 # hidden values (rows x padded tokens x layers x hidden). Measured on this 23 GiB machine at SmolLM2:
 # 86M (64 rows x 78 tokens) was killed for memory beside the e2e bench's two vLLM servers; 69M (64 x 62)

@@ -61,6 +61,7 @@ def _graft_updates(spec: dict) -> dict:
     from graft.lora.attach import attach_lora, lora_parameters
     from graft.train.cpu_tuning import set_up_host_memory
     from graft.train.dist import Dist
+    from graft.train.memory_budget import auto_sizes
     from graft.train.parallelize import parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
@@ -86,8 +87,10 @@ def _graft_updates(spec: dict) -> dict:
         with UpdateProfile(spec["device"], Path(spec["profile"]) / f"{spec.get('label', 'graft')}.txt"):
             policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    sizes = auto_sizes(model, batch, train, Dist())  # as the update resolved them (the memory free now)
     return {**result, "optimizer_steps": steps, "non_embedding_parameters": non_embedding_parameters(model),
             "activation_checkpointing": train.activation_checkpointing,
+            "micro_batch_tokens": sizes.max_tokens_per_micro_batch, "logit_chunk_tokens": sizes.logit_chunk_tokens,
             "checkpointed_layers": sum(bool(m.gradient_checkpointing) for m in layers),
             "lora_dtype": str(next(iter(lora_parameters(model).values())).dtype).removeprefix("torch."),
             "overrides": spec["overrides"]}
@@ -202,13 +205,16 @@ def print_update_report(result: dict) -> None:
     table = Table(title=f"graft bench update: one GRPO update, {spec['layers']} layers of the Qwen2.5-0.5B shape, "
                         f"{result['dtype']} base, LoRA r16 fp32, on {result['device']}")
     table.add_column("side", no_wrap=True)
-    for column in ("s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
+    for column in ("s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak",
+                   "micro-batch tok", "head chunk", "ckpt layers"):
         table.add_column(column, justify="right")
     for side, s in result["sides"].items():
         fraction = f"{s['peak_fraction']:.1%}" if s["peak_fraction"] is not None else "-"
+        layout = [s.get("micro_batch_tokens"), s.get("logit_chunk_tokens"), s.get("checkpointed_layers")]
         table.add_row(side, f"{s['seconds']:.2f}", f"{s['cpu_seconds']:.1f}", f"{s['tokens']:,}",
                       f"{s['tokens_per_second']:,.0f}", f"{s['tokens_per_cpu_second']:,.0f}",
-                      f"{s['peak_bytes'] / 2**30:.2f}", f"{s['useful_tflops']:.3f}", fraction)
+                      f"{s['peak_bytes'] / 2**30:.2f}", f"{s['useful_tflops']:.3f}", fraction,
+                      *("-" if v is None else f"{v:,}" for v in layout))
     Console().print(table)
     if result["peak_tflops"]:
         Console().print(f"peak: bf16 {MATMUL_SIZE}^3 matmul, {result['peak_tflops']:.0f} TFLOP/s")

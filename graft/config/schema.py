@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import (
     Field,
+    PositiveInt,
     field_validator,
     model_validator,
 )
@@ -172,7 +173,8 @@ class TrainConfig(ObjectiveFields):
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (each pass takes mini_batches steps).")
     logit_chunk_tokens: int | None = Field(
         None, ge=1, description="Token positions per LM-head chunk in the update (each chunk's fp32 logits are "
-        "the only [tokens, vocab] tensor alive, forward and backward); null = about 64 MiB of logits per chunk.")
+        "the only [tokens, vocab] tensor alive, forward and backward); null = about 64 MiB of logits per chunk, "
+        "on a GPU as many positions as a 64th of its free memory holds (graft/train/memory_budget.py).")
     activation_checkpointing: Literal["auto"] | bool = Field(
         "auto", description="Keep only each decoder layer's input for the backward and recompute the rest: "
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
@@ -199,11 +201,13 @@ class TrainConfig(ObjectiveFields):
         "ops fused into fewer kernels, fewer launches), forward, recompute and backward; the first update (and each "
         "new shape, once) waits for the compiler. Same results to float rounding. Measured: see docs/benchmarks.md "
         "(graft bench update --variant). Not with dist.tp > 1.")
-    max_tokens_per_micro_batch: int | None = Field(
-        8192, ge=1, description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
+    max_tokens_per_micro_batch: PositiveInt | Literal["auto"] | None = Field(
+        "auto", description="Laid-out tokens (rows x longest sequence; packed rows hold several sequences, see "
         "pack_sequences) per forward/backward on one rank; gradients accumulate over micro-batches, the loss divisor "
         "stays the whole mini-batch's, so this changes memory, not results (as verl's ppo_max_token_len_per_gpu). "
-        "null = no token limit.")
+        "auto: with activation_checkpointing auto, as many as its memory budget holds with no layer checkpointed, "
+        "at least 8192 (a GPU's larger memory: fewer micro-batches, no recomputation); else 8192 "
+        "(graft/train/memory_budget.py). null = no token limit.")
     pack_sequences: bool = Field(
         True, description="Lay each micro-batch out packed: sequences back to back in rows no longer than its "
         "longest sequence (first fit, longest first), position ids restarting per sequence, attention kept inside "

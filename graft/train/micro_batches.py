@@ -33,6 +33,7 @@ from graft.rl.packing import (
     pack_shared_prompts,
     pad,
 )
+from graft.train.memory_budget import MIN_AUTO_TOKENS
 from graft.train.rollout_batch import RolloutBatch
 
 Micros = list[tuple[list[int], float]]  # (micro-batch rows, loss weight)
@@ -61,8 +62,10 @@ def micro_batches(rows: list[int], batch: RolloutBatch, train: TrainConfig) -> l
     """`rows` in consecutive micro-batches: at most `train.micro_batch_size` rows and at most
     `train.max_tokens_per_micro_batch` laid-out tokens each (`_fits`: padding counts, and
     packing needs fewer rows); a row longer than the budget goes alone. Activation memory scales
-    with the laid-out tokens of one micro-batch."""
+    with the laid-out tokens of one micro-batch. An unresolved "auto" budget (`memory_budget.auto_sizes`
+    resolves it per update) counts as its least, `MIN_AUTO_TOKENS`."""
     budget, size = train.max_tokens_per_micro_batch, train.micro_batch_size
+    budget = MIN_AUTO_TOKENS if budget == "auto" else budget
     out: list[list[int]] = []
     lengths: list[int] = []
     for r in rows:
@@ -184,7 +187,7 @@ def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy
     one row, whatever the layout. The LM head runs only at the positions that predict a completion
     token (padded rows too: the columns are shared, the head skips other rows' positions). With
     gradients and `train.activation_checkpointing: auto`, the layers checkpointed and whether the head
-    recomputes its logits are fitted to this micro-batch (`graft.train.parallelize.ActivationMemory`)."""
+    recomputes its logits are fitted to this micro-batch (`graft.train.memory_budget.ActivationMemory`)."""
     positions_K = micro.completion_mask_xT.any(dim=0).nonzero()[:, 0]
     memory = getattr(model, "graft_activation_memory", None)
     recompute_head = True

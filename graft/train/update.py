@@ -34,6 +34,7 @@ from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
 from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 from graft.train.dist import Dist, clip_grad_norm
+from graft.train.memory_budget import auto_sizes
 from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.step_plan import mini_batch_shuffle_seed
@@ -160,6 +161,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rol
 def _update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, train: TrainConfig,
             pad_id: int, ctx: Dist, step: int) -> dict:
     start = time.perf_counter()
+    train = auto_sizes(model, batch, train, ctx)  # the micro-batch's tokens and the head's chunk, by memory
     n_prompts, group = batch.rewards_PG.shape
     lengths = [batch.loss_tokens(r) for r in range(len(batch.sequences))]  # the tokens each row's loss counts
     leave_out_truncated = train.overlong_filter or batch.mask_truncated

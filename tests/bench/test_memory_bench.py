@@ -15,6 +15,7 @@ from graft.bench.trl_memory_worker import CONFIGS, trl_memory_arguments
 from graft.cli import main
 from graft.config import load_config
 from graft.models.cache import default_cache_dir
+from graft.train.memory_budget import MIN_AUTO_TOKENS
 from graft.train.micro_batches import micro_batches
 from graft.train.rollout_batch import RolloutBatch
 
@@ -49,7 +50,7 @@ def test_trl_configurations_take_one_step_over_the_batch_and_differ_as_stated():
         # graft's settings: checkpointing on (graft's default, auto, checkpoints as its memory needs), as many
         # 640-token rows as graft's token budget holds among the sizes TRL accepts (divisors of the batch): 8.
         assert graft_like["gradient_checkpointing"] is True and train.activation_checkpointing == "auto"
-        assert graft_like["per_device_train_batch_size"] == 8 and 8 * 640 <= train.max_tokens_per_micro_batch
+        assert graft_like["per_device_train_batch_size"] == 8 and 8 * 640 <= MIN_AUTO_TOKENS
     rows, rewards_PG = memory_batch(32, QWEN_SHAPE["vocab"])
     plan = micro_batches(list(range(32)), RolloutBatch(rows, [[]] * 32, rewards_PG, 0, 0.0), train)
     assert [len(m) for m in plan] == [12, 12, 8]  # graft's own split of the same batch

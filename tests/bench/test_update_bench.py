@@ -10,6 +10,7 @@ from graft.bench import update
 from graft.bench.update_measure import build_base, non_embedding_parameters, useful_flops
 from graft.cli import main
 from graft.lora.attach import attach_lora, lora_parameters
+from graft.train.memory_budget import MIN_AUTO_TOKENS
 
 TINY_DIMS = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 500}
 TINY_FLAGS = ["--layers", "2", "--sequences", "8", "--prompt-tokens", "6", "--completion-tokens", "4",
@@ -38,6 +39,8 @@ def test_graft_side_writes_the_json_contract_and_a_profile(monkeypatch, tmp_path
     assert graft["seconds"] == min(graft["all_seconds"]) and len(graft["all_seconds"]) == 1
     assert graft["optimizer_steps"] == 2  # the warm-up and the one timed update, one step each
     assert graft["peak_fraction"] is None and graft["lora_dtype"] == "float32"
+    # auto sizes: the tiny model's micro-batches hold more than the least; the CPU's 64 MiB head chunks
+    assert graft["micro_batch_tokens"] > MIN_AUTO_TOKENS and graft["logit_chunk_tokens"] is None
     table = (tmp_path / "profile" / "graft.txt").read_text()
     assert "Self CPU" in table and "aten::" in table
     assert not (tmp_path / "profile" / "trl.txt").exists()
@@ -53,6 +56,9 @@ def test_variants_add_graft_sides_with_their_settings(monkeypatch, tmp_path):
     assert ckpt["overrides"] == ["train.activation_checkpointing=false", "train.activation_checkpointing=true",
                                  "train.logit_chunk_tokens=3"]
     assert ckpt["checkpointed_layers"] >= 2 and ckpt["tokens"] == graft["tokens"]  # both layers
+    # without auto checkpointing's memory model, auto's least; a chunk size set is kept
+    assert graft["micro_batch_tokens"] == ckpt["micro_batch_tokens"] == MIN_AUTO_TOKENS
+    assert graft["logit_chunk_tokens"] is None and ckpt["logit_chunk_tokens"] == 3
     steps = {name: side["optimizer_steps"] for name, side in result["sides"].items()}
     assert steps == dict.fromkeys(result["sides"], 2)  # warm-up and timed; the profiled update not counted
     assert (tmp_path / "profile" / "graft-packed-off.txt").exists()

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.train.dist import Dist, broadcast_batch, full_tensor
-from graft.train.parallelize import ActivationMemory, parallelize
+from graft.train.memory_budget import ActivationMemory
+from graft.train.parallelize import parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
@@ -238,34 +239,6 @@ def test_activation_checkpointing_changes_memory_not_results(tiny_model_dirs):
     bonus and TIS on."""
     _assert_same_updates(tiny_model_dirs["qwen2"], ["train.activation_checkpointing=false"],
                          ["train.activation_checkpointing=true"], tol=1e-6)
-
-
-def test_auto_checkpointing_fits_the_budget():
-    """auto: the head keeps its log-softmax first if it fits, then the last layers go unchecked."""
-    layers = [torch.nn.Module() for _ in range(4)]
-    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=0, layers=layers)
-    for budget, keep_head, checkpointed in [(0, False, [True] * 4), (5_000, False, [True, True, True, False]),
-                                            (20_000, True, [True, True, False, False]),
-                                            (10**9, True, [False] * 4)]:
-        memory.budget_bytes = budget
-        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
-        assert [layer.gradient_checkpointing for layer in layers] == checkpointed
-
-
-def test_auto_checkpointing_on_cuda_fits_the_memory_free_at_each_micro_batch(monkeypatch):
-    """On CUDA the budget is half of what is free when each micro-batch starts (an engine that took
-    memory after the trainer was set up is counted), not a share fixed at set-up."""
-    from graft.train import parallelize as parallelize_module
-
-    free = []
-    monkeypatch.setattr(parallelize_module, "available_memory_bytes", lambda device: free[-1])
-    layers = [torch.nn.Module() for _ in range(4)]
-    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=None,
-                              layers=layers, device=torch.device("cuda", 0))
-    for free_bytes, keep_head, kept in [(10**9, True, 4), (2 * 20_000, True, 2), (0, False, 0)]:
-        free.append(free_bytes)
-        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
-        assert [layer.gradient_checkpointing for layer in layers] == [i < 4 - kept for i in range(4)]
 
 
 @pytest.mark.gpu
