@@ -64,13 +64,24 @@ class PolicySync:
         # kept in the run directory for a resumed run.
         self.calibration = Path(run_dir) / "verify-tolerance.json"
         self.calibrating = config.sync.verify_tolerance is None and self.dtype != "float32"
+        self.floor: float | None = None  # the engines' gap to version 0, where it was measured
         if self.calibrating and self.calibration.exists():
-            self.tolerance, self.calibrating = json.loads(self.calibration.read_text())["tolerance"], False
+            saved = json.loads(self.calibration.read_text())
+            self.tolerance, self.floor, self.calibrating = saved["tolerance"], saved.get("floor"), False
         self.warn_only = config.sync.verify_action == "warn"
         weights_dir = weights_dir_of(config, run_dir)
         self.mode: SyncMode = build_sync_mode(config, engine, weights_dir, self.inflight)
         self.served = ServedVersion()
         self.good_version: int | None = None  # the newest version confirmed (verified, where verify is on)
+
+    def check_summary(self) -> str:
+        """The delivery check in words, for the run's start line: its tolerance and where it came from."""
+        if not self.verify:
+            return "delivery check off"
+        if self.floor is None:
+            return f"delivery check within {self.tolerance:.3g}"
+        return (f"delivery check within {self.tolerance:.3g} (the engines' {self.dtype} gap to version 0: "
+                f"{self.floor:.3g})")
 
     def request_adapter(self, version: int) -> str | None:
         """The adapter name a rollout of `version` requests (None: the base model's name)."""
@@ -123,6 +134,7 @@ class PolicySync:
         another model's was. Only then: a later version's gap may include a failed delivery."""
         floor = await noise_floor(self.engine, policy, self.request_adapter(0))
         self.tolerance, self.calibrating = calibrated_tolerance(floor, self.dtype), False
+        self.floor = floor
         atomic_write_text(self.calibration, json.dumps({"tolerance": self.tolerance, "floor": floor,
                                                         "dtype": self.dtype}) + "\n")
         log.info("delivery check: the engines' %s gap to version 0 is %.3g: tolerance %.3g", self.dtype, floor,

@@ -96,7 +96,7 @@ class _Leader:
                 self.log.add_eval(0, await self._evaluate())
             trainable, total = count_parameters(policy.model)
             print(f"policy: {trainable:,} trainable LoRA parameters on a frozen base, {total:,} in all "
-                  f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}")
+                  f"({100 * trainable / total:.2f}%); sync mode {sync.mode.name}, {sync.check_summary()}")
             producer = RolloutProducer(self.batches.make, served=sync.served, first_step=first_step,
                                        last_step=train.steps, max_staleness=config.rollout.max_staleness)
             async with producer:

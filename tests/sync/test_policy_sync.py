@@ -141,10 +141,14 @@ def test_a_half_precision_run_measures_its_tolerance_at_version_0_and_a_resume_k
         row = await sync(model, 1, step=1)
         resumed = PolicySync(config, _Rounding(base_dir), tmp_path)
         fp32 = PolicySync(_config(base_dir), _Rounding(base_dir), tmp_path / "fp32")
-        return sync.tolerance, row, resumed.tolerance, fp32.tolerance
+        summaries = [sync.check_summary(), resumed.check_summary(), fp32.check_summary()]
+        return sync.tolerance, row, resumed.tolerance, fp32.tolerance, summaries
 
-    tolerance, row, resumed, fp32 = asyncio.run(scenario())
+    tolerance, row, resumed, fp32, summaries = asyncio.run(scenario())
     saved = json.loads((tmp_path / "verify-tolerance.json").read_text())
+    # the run's start line says what the check allows and why, the resumed run's too
+    measured = f"delivery check within {tolerance:.3g} (the engines' bfloat16 gap to version 0: {saved['floor']:.3g})"
+    assert summaries == [measured, measured, "delivery check within 0.001"]
     assert saved["dtype"] == "bfloat16" and saved["floor"] >= 0.12 and tolerance == saved["tolerance"]
     assert tolerance == pytest.approx(NOISE_MARGIN * saved["floor"]) and 0.1 < row["sync_logprob_abs_diff_max"]
     assert row["sync_logprob_abs_diff_max"] <= tolerance == resumed and fp32 == 1e-3
