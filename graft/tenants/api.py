@@ -134,30 +134,34 @@ def encoded_result(result) -> Response:
     return JSONResponse(result)
 
 
-def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Starlette:
-    """The service's HTTP application. `api_keys`: the keys a request's `X-API-Key` may carry;
-    `poll_seconds`: how long `retrieve_future` holds a request for a result not yet there."""
-    answers: OrderedDict[str, Response] = OrderedDict()
+class _Endpoints:
+    """The route handlers over one `TenantService`; `guarded` adds what every route shares (the API
+    key, idempotent retries, a refused request's one-line 400)."""
 
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str = "POST") -> Route:
+    def __init__(self, service, api_keys: set[str], poll_seconds: float) -> None:
+        self.service, self.api_keys, self.poll_seconds = service, api_keys, poll_seconds
+        self.answers: OrderedDict[str, Response] = OrderedDict()  # by idempotency key, newest last
+
+    def guarded(self, path: str, handler: Callable[[Request], Awaitable[Response]], method: str = "POST") -> Route:
         async def endpoint(request: Request) -> Response:
-            if request.headers.get("x-api-key") not in api_keys:
+            if request.headers.get("x-api-key") not in self.api_keys:
                 return JSONResponse({"detail": "missing or unknown API key (X-API-Key)"}, status_code=401)
             key = request.headers.get("x-idempotency-key")
-            if key is not None and key in answers:
-                return answers[key]
+            if key is not None and key in self.answers:
+                return self.answers[key]
             try:
                 response = await handler(request)
             except (RequestFailed, WireError, ValueError, TypeError) as error:
                 log.warning("%s refused: %s", path, error)
                 response = JSONResponse({"detail": str(error)}, status_code=400)
             if key is not None and path != "/retrieve_future":
-                answers[key] = response
-                while len(answers) > _REMEMBERED_ANSWERS:
-                    answers.popitem(last=False)
+                self.answers[key] = response
+                while len(self.answers) > _REMEMBERED_ANSWERS:
+                    self.answers.popitem(last=False)
             return response
         return Route("/api/v1" + path, endpoint, methods=[method])
 
+    @staticmethod
     async def body(request: Request) -> dict:
         raw = await request.body()
         fields = json.loads(raw) if raw else {}
@@ -165,124 +169,132 @@ def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Sta
             raise RequestFailed("the request body must be a JSON object")
         return _Fields(fields)
 
+    @staticmethod
     def future(request_id: str, **extra) -> JSONResponse:
         return JSONResponse({"request_id": request_id, **extra})
 
-    def ordered(model_id: str, seq_id: int, kind: str, payload: Callable[[], object]) -> JSONResponse:
+    def ordered(self, model_id: str, seq_id: int, kind: str, payload: Callable[[], object]) -> JSONResponse:
         """A model's operation, queued at its place in the model's order; a request refused (its
         `payload()` raises) still gives up its place, or the model's later operations would wait for it."""
         try:
             made = payload()
         except Exception:
-            service.skip(model_id, int(seq_id))
+            self.service.skip(model_id, int(seq_id))
             raise
-        return future(service.submit(model_id, int(seq_id), kind, made), model_id=model_id)
+        return self.future(self.service.submit(model_id, int(seq_id), kind, made), model_id=model_id)
 
-    async def heartbeat(request: Request) -> Response:
-        if service.heartbeat((await body(request))["session_id"]):
+    async def heartbeat(self, request: Request) -> Response:
+        if self.service.heartbeat((await self.body(request))["session_id"]):
             return JSONResponse({"type": "session_heartbeat"})
         return JSONResponse({"detail": "the session is finished"}, status_code=410)  # the SDK stops beating
 
-    async def create_session(request: Request) -> Response:
-        return JSONResponse({"session_id": service.create_session(), "type": "create_session"})
+    async def create_session(self, request: Request) -> Response:
+        return JSONResponse({"session_id": self.service.create_session(), "type": "create_session"})
 
-    async def finish_session(request: Request) -> Response:
-        await service.finish_session(request.path_params["session_id"])
+    async def finish_session(self, request: Request) -> Response:
+        await self.service.finish_session(request.path_params["session_id"])
         return JSONResponse({})
 
-    async def create_model(request: Request) -> Response:
-        data = await body(request)
-        return future(service.create_model(data["session_id"], int(data.get("model_seq_id", 0)), data["base_model"],
-                                           data.get("lora_config") or {}))
+    async def create_model(self, request: Request) -> Response:
+        data = await self.body(request)
+        return self.future(self.service.create_model(data["session_id"], int(data.get("model_seq_id", 0)),
+                                                     data["base_model"], data.get("lora_config") or {}))
 
-    async def get_info(request: Request) -> Response:
-        return JSONResponse(service.info((await body(request))["model_id"]))
+    async def get_info(self, request: Request) -> Response:
+        return JSONResponse(self.service.info((await self.body(request))["model_id"]))
 
-    async def forward_backward(request: Request) -> Response:
+    async def forward_backward(self, request: Request) -> Response:
         wire = decode_forward_backward(await request.body())
 
         def payload() -> dict:
-            tenant = service.model(wire.model_id).tenant
+            tenant = self.service.model(wire.model_id).tenant
             if wire.loss_fn_config:
                 raise RequestFailed(f"loss_fn_config is not supported (got {sorted(wire.loss_fn_config)})")
             datums = [datum_of(tenant, datum, index) for index, datum in enumerate(wire.data)]
             return {"datums": datums, "loss": wire.loss_fn, "forward_only": wire.forward_only}
 
-        return ordered(wire.model_id, wire.seq_id, FORWARD_BACKWARD, payload)
+        return self.ordered(wire.model_id, wire.seq_id, FORWARD_BACKWARD, payload)
 
-    async def optim_step(request: Request) -> Response:
-        data = await body(request)
-        return ordered(data["model_id"], data["seq_id"], OPTIM_STEP, lambda: AdamParams(
+    async def optim_step(self, request: Request) -> Response:
+        data = await self.body(request)
+        return self.ordered(data["model_id"], data["seq_id"], OPTIM_STEP, lambda: AdamParams(
             **{key: float(value) for key, value in (data.get("adam_params") or {}).items()}))
 
-    async def save_for_sampler(request: Request) -> Response:
-        data = await body(request)
-        return ordered(data["model_id"], data["seq_id"], SAVE_FOR_SAMPLER,
-                       lambda: None if data.get("path") is None else _name(data["path"]))
+    async def save_for_sampler(self, request: Request) -> Response:
+        data = await self.body(request)
+        return self.ordered(data["model_id"], data["seq_id"], SAVE_FOR_SAMPLER,
+                            lambda: None if data.get("path") is None else _name(data["path"]))
 
-    async def save_state(request: Request) -> Response:
-        data = await body(request)
-        return ordered(data["model_id"], data["seq_id"], SAVE_STATE,
-                       lambda: {"name": _name(data.get("path")), "overwrite": bool(data.get("overwrite"))})
+    async def save_state(self, request: Request) -> Response:
+        data = await self.body(request)
+        return self.ordered(data["model_id"], data["seq_id"], SAVE_STATE,
+                            lambda: {"name": _name(data.get("path")), "overwrite": bool(data.get("overwrite"))})
 
-    async def load_state(request: Request) -> Response:
-        data = await body(request)
+    async def load_state(self, request: Request) -> Response:
+        data = await self.body(request)
         if "model_id" not in data:  # create_training_client_from_state: a new model from the state
-            return future(service.create_model_from_state(data["session_id"], int(data.get("model_seq_id", 0)),
-                                                          data["path"], bool(data.get("optimizer"))))
-        return ordered(data["model_id"], data["seq_id"], LOAD_STATE,
-                       lambda: {"path": data["path"], "optimizer": bool(data.get("optimizer"))})
+            return self.future(self.service.create_model_from_state(
+                data["session_id"], int(data.get("model_seq_id", 0)), data["path"], bool(data.get("optimizer"))))
+        return self.ordered(data["model_id"], data["seq_id"], LOAD_STATE,
+                            lambda: {"path": data["path"], "optimizer": bool(data.get("optimizer"))})
 
-    async def create_sampler(request: Request) -> Response:
-        data = await body(request)
-        sampler_id = service.create_sampler(data["session_id"], data.get("model_path"), data.get("base_model"))
+    async def create_sampler(self, request: Request) -> Response:
+        data = await self.body(request)
+        sampler_id = self.service.create_sampler(data["session_id"], data.get("model_path"), data.get("base_model"))
         return JSONResponse({"sampling_session_id": sampler_id})
 
-    async def get_sampler(request: Request) -> Response:
+    async def get_sampler(self, request: Request) -> Response:
         sampler_id = request.path_params["sampler_id"]
-        adapter = service.sampling.adapter(sampler_id)
-        return JSONResponse({"sampler_id": sampler_id, "base_model": service.base_model, "model_path": adapter})
+        adapter = self.service.sampling.adapter(sampler_id)
+        return JSONResponse({"sampler_id": sampler_id, "base_model": self.service.base_model, "model_path": adapter})
 
-    async def sample(request: Request) -> Response:
-        data = await body(request)
-        request_id, sequence_ids = service.sampling.sample(data["sampling_session_id"], prompt_tokens(data),
-                                                           sampling_params(data), bool(data.get("prompt_logprobs")))
-        return future(request_id, sample_sequence_ids=sequence_ids)
+    async def sample(self, request: Request) -> Response:
+        data = await self.body(request)
+        request_id, sequence_ids = self.service.sampling.sample(
+            data["sampling_session_id"], prompt_tokens(data), sampling_params(data), bool(data.get("prompt_logprobs")))
+        return self.future(request_id, sample_sequence_ids=sequence_ids)
 
-    async def retrieve(request: Request) -> Response:
-        request_id = (await body(request))["request_id"]
-        if request_id not in service.futures:
+    async def retrieve(self, request: Request) -> Response:
+        request_id = (await self.body(request))["request_id"]
+        if request_id not in self.service.futures:
             return JSONResponse({"detail": f"unknown request {request_id!r} (or fetched long ago)"},
                                 status_code=404)
-        result = await service.futures.wait(request_id, poll_seconds)
+        result = await self.service.futures.wait(request_id, self.poll_seconds)
         if result is None:
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         return encoded_result(result)
 
-    def answer(value: dict) -> Callable[[Request], Awaitable[Response]]:
-        async def handler(request: Request) -> Response:
-            return JSONResponse(value)
-        return handler
 
+def _answer(value: dict) -> Callable[[Request], Awaitable[Response]]:
+    """A handler that always answers `value`."""
+    async def handler(request: Request) -> Response:
+        return JSONResponse(value)
+    return handler
+
+
+def build_app(service, api_keys: set[str], *, poll_seconds: float = 25.0) -> Starlette:
+    """The service's HTTP application. `api_keys`: the keys a request's `X-API-Key` may carry;
+    `poll_seconds`: how long `retrieve_future` holds a request for a result not yet there."""
+    e = _Endpoints(service, api_keys, poll_seconds)
     capabilities = {"supported_models": [{"model_name": service.base_model, "trainable": True, "sampleable": True}]}
     return Starlette(routes=[
-        route("/client/config", answer(CLIENT_CONFIG)),
-        route("/client/dynamic_config", answer({})),
-        route("/session_heartbeat", heartbeat),
-        route("/telemetry", answer({"status": "accepted"})),
-        route("/healthz", answer({"status": "ok"}), "GET"),
-        route("/get_server_capabilities", answer(capabilities), "GET"),
-        route("/create_session", create_session),
-        route("/sessions/{session_id}/finish", finish_session),
-        route("/create_model", create_model),
-        route("/get_info", get_info),
-        route("/forward_backward", forward_backward),
-        route("/optim_step", optim_step),
-        route("/save_weights_for_sampler", save_for_sampler),
-        route("/save_weights", save_state),
-        route("/load_weights", load_state),
-        route("/create_sampling_session", create_sampler),
-        route("/samplers/{sampler_id}", get_sampler, "GET"),
-        route("/asample", sample),
-        route("/retrieve_future", retrieve),
+        e.guarded("/client/config", _answer(CLIENT_CONFIG)),
+        e.guarded("/client/dynamic_config", _answer({})),
+        e.guarded("/session_heartbeat", e.heartbeat),
+        e.guarded("/telemetry", _answer({"status": "accepted"})),
+        e.guarded("/healthz", _answer({"status": "ok"}), "GET"),
+        e.guarded("/get_server_capabilities", _answer(capabilities), "GET"),
+        e.guarded("/create_session", e.create_session),
+        e.guarded("/sessions/{session_id}/finish", e.finish_session),
+        e.guarded("/create_model", e.create_model),
+        e.guarded("/get_info", e.get_info),
+        e.guarded("/forward_backward", e.forward_backward),
+        e.guarded("/optim_step", e.optim_step),
+        e.guarded("/save_weights_for_sampler", e.save_for_sampler),
+        e.guarded("/save_weights", e.save_state),
+        e.guarded("/load_weights", e.load_state),
+        e.guarded("/create_sampling_session", e.create_sampler),
+        e.guarded("/samplers/{sampler_id}", e.get_sampler, "GET"),
+        e.guarded("/asample", e.sample),
+        e.guarded("/retrieve_future", e.retrieve),
     ])
