@@ -205,17 +205,20 @@ def print_update_report(result: dict) -> None:
     table = Table(title=f"graft bench update: one GRPO update, {spec['layers']} layers of the Qwen2.5-0.5B shape, "
                         f"{result['dtype']} base, LoRA r16 fp32, on {result['device']}")
     table.add_column("side", no_wrap=True)
-    for column in ("s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak",
-                   "micro-batch tok", "head chunk", "ckpt layers"):
+    for column in ("s", "CPU-s", "tokens", "tok/s", "tok/CPU-s", "peak GiB", "TFLOP/s", "of peak"):
         table.add_column(column, justify="right")
     for side, s in result["sides"].items():
         fraction = f"{s['peak_fraction']:.1%}" if s["peak_fraction"] is not None else "-"
-        layout = [s.get("micro_batch_tokens"), s.get("logit_chunk_tokens"), s.get("checkpointed_layers")]
         table.add_row(side, f"{s['seconds']:.2f}", f"{s['cpu_seconds']:.1f}", f"{s['tokens']:,}",
                       f"{s['tokens_per_second']:,.0f}", f"{s['tokens_per_cpu_second']:,.0f}",
-                      f"{s['peak_bytes'] / 2**30:.2f}", f"{s['useful_tflops']:.3f}", fraction,
-                      *("-" if v is None else f"{v:,}" for v in layout))
+                      f"{s['peak_bytes'] / 2**30:.2f}", f"{s['useful_tflops']:.3f}", fraction)
     Console().print(table)
+    for side, s in result["sides"].items():
+        if "micro_batch_tokens" in s:  # graft's sides: the sizes its update chose
+            tokens, chunk = s["micro_batch_tokens"], s["logit_chunk_tokens"]
+            Console().print(f"{side}: micro-batches of at most {'any' if tokens is None else f'{tokens:,}'} tokens, "
+                            f"head chunks of {'64 MiB' if chunk is None else f'{chunk:,} positions'}, "
+                            f"{s['checkpointed_layers']} of {spec['layers']} layers checkpointed")
     if result["peak_tflops"]:
         Console().print(f"peak: bf16 {MATMUL_SIZE}^3 matmul, {result['peak_tflops']:.0f} TFLOP/s")
 
