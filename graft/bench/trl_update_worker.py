@@ -14,6 +14,7 @@ from pathlib import Path
 
 from graft.bench.memory_shape import memory_batch, trl_generation_batch
 from graft.bench.trl_memory_worker import _tokenizer, trl_memory_arguments, worker_main
+from graft.bench.trl_worker import rows_within_budget
 from graft.bench.update_measure import (
     UpdateClock,
     UpdateProfile,
@@ -25,8 +26,15 @@ from graft.bench.update_measure import (
 def trl_update_arguments(spec: dict, padded_length: int, output_dir: str) -> dict:
     """GRPOConfig keyword arguments: `graft bench memory`'s (`spec["config"]`: one optimizer step per
     generation batch over all its rows), for 1 + repeats (+ 1 profiled) steps on `spec["device"]`, in
-    TRL's bf16 mixed precision where the base is bf16 on a GPU."""
+    TRL's bf16 mixed precision where the base is bf16 on a GPU. graft-settings after a graft side
+    (`spec["graft_sizes"]`): the micro-batch and checkpointing that graft's update chose in this run
+    (on a GPU its memory-sized micro-batches, often with no layer checkpointed), not the CPU's."""
     args = trl_memory_arguments(spec["config"], spec["sequences"], padded_length, output_dir)
+    sizes = spec.get("graft_sizes")
+    if spec["config"] == "graft-settings" and sizes:
+        rows = rows_within_budget(spec["sequences"], padded_length, token_budget=sizes["micro_batch_tokens"])
+        args.update(per_device_train_batch_size=rows, gradient_accumulation_steps=spec["sequences"] // rows,
+                    gradient_checkpointing=sizes["checkpointed_layers"] > 0)
     cuda = spec["device"].startswith("cuda")
     args.update(max_steps=1 + spec["repeats"] + bool(spec.get("profile")), use_cpu=not cuda,
                 bf16=cuda and spec["dtype"] == "bfloat16")

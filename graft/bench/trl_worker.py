@@ -33,13 +33,14 @@ GRAFT_TOKEN_BUDGET = MIN_AUTO_TOKENS
 TRL_ACTIVATION_BUDGET = 72_000_000
 
 
-def rows_within_budget(rows: int, padded_length: int, layer_width: int = 0) -> int:
+def rows_within_budget(rows: int, padded_length: int, layer_width: int = 0,
+                       token_budget: int | None = GRAFT_TOKEN_BUDGET) -> int:
     """The most rows dividing `rows` (TRL needs its micro-batch to divide the mini-batch) whose padded
-    tokens fit graft's token budget and, given `layer_width` (layers x hidden), whose activations fit
-    `TRL_ACTIVATION_BUDGET`; 1 at least."""
+    tokens fit `token_budget` (graft's; None: no limit) and, given `layer_width` (layers x hidden),
+    whose activations fit `TRL_ACTIVATION_BUDGET`; 1 at least."""
     def fits(n: int) -> bool:
         tokens = n * padded_length
-        return tokens <= GRAFT_TOKEN_BUDGET and tokens * layer_width <= TRL_ACTIVATION_BUDGET
+        return (token_budget is None or tokens <= token_budget) and tokens * layer_width <= TRL_ACTIVATION_BUDGET
     return max((n for n in range(1, rows + 1) if rows % n == 0 and fits(n)), default=1)
 
 

@@ -9,7 +9,8 @@ fp32, and one optimizer step over a batch of `--sequences` rows of `--prompt-tok
 - graft: `policy_update` with the `train` config (defaults, or `-o train.KEY=VALUE`), as the trainer
   sets the model up (`parallelize`: activation checkpointing per `train.activation_checkpointing`);
 - TRL: `GRPOTrainer` + PEFT on the same weights and token ids (`graft.bench.trl_update_worker`), with
-  `graft bench memory`'s "graft-settings" (or `--trl-config trl-defaults`), in the TRL virtualenv
+  "graft-settings" (graft's optimizer and loss settings, and the micro-batch size and checkpointing
+  graft's side chose in this run) or `--trl-config trl-defaults`, in the TRL virtualenv
   or, where TRL is importable in this python (a GPU machine with its wheels installed), in this one.
 
 Each side runs in a fresh process: one warm-up update, then `--repeats` timed ones; the best is
@@ -62,7 +63,7 @@ def _graft_updates(spec: dict) -> dict:
     from graft.train.cpu_tuning import set_up_host_memory
     from graft.train.dist import Dist
     from graft.train.memory_budget import auto_sizes
-    from graft.train.parallelize import parallelize
+    from graft.train.parallelize import decoder_layers, parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 
@@ -86,7 +87,7 @@ def _graft_updates(spec: dict) -> dict:
     if spec.get("profile"):
         with UpdateProfile(spec["device"], Path(spec["profile"]) / f"{spec.get('label', 'graft')}.txt"):
             policy_update(model, optimizer, batch, train, pad_id=PAD_ID)
-    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    layers = decoder_layers(model)
     sizes = auto_sizes(model, batch, train, Dist())  # as the update resolved them (the memory free now)
     return {**result, "optimizer_steps": steps, "non_embedding_parameters": non_embedding_parameters(model),
             "activation_checkpointing": train.activation_checkpointing,
@@ -179,15 +180,17 @@ def run_update_bench(spec: dict, sides: tuple[str, ...] = SIDES, console: Consol
     """Each side of `sides` in turn (never side by side: they would share the device), then the summary."""
     console = console or Console(stderr=True)
     peak = peak_matmul_tflops() if spec["device"] == "cuda" else None
+    out: dict = {}
     measures = {"graft": lambda work: measure_graft(spec, work),
-                "trl": lambda work: measure_trl(spec, work, console)}
+                "trl": lambda work: measure_trl({**spec, "graft_sizes": _sizes(out["sides"].get("graft"))}, work,
+                                                console)}
     for name, overrides in spec.get("variants", {}).items():
         label = f"graft {name}"
         measures[label] = lambda work, o=overrides, label=label: measure_graft(
             {**spec, "overrides": [*spec["overrides"], *o], "label": label.replace(" ", "-")}, work / label)
         sides = (*sides, label)
-    out = {"device": device_name(spec["device"]), "dtype": spec["dtype"], "peak_tflops": peak,
-           "spec": {k: v for k, v in spec.items() if k != "profile"}, "sides": {}}
+    out.update({"device": device_name(spec["device"]), "dtype": spec["dtype"], "peak_tflops": peak,
+                "spec": {k: v for k, v in spec.items() if k != "profile"}, "sides": {}})
     with tempfile.TemporaryDirectory(prefix="graft-bench-update-") as work:
         for side in sides:
             console.print(f"{side}: 1 warm-up + {spec['repeats']} timed updates, {spec['layers']} layers, "
@@ -198,6 +201,14 @@ def run_update_bench(spec: dict, sides: tuple[str, ...] = SIDES, console: Consol
             except (TrlEnvError, RuntimeError) as e:
                 console.print(f"  {side} failed: {e}")
     return out
+
+
+def _sizes(graft_side: dict | None) -> dict | None:
+    """What TRL's graft-settings copy from graft's side of this run: its micro-batch tokens and
+    whether it checkpointed (None: no graft side, the fixed graft-settings)."""
+    if graft_side is None:
+        return None
+    return {key: graft_side[key] for key in ("micro_batch_tokens", "checkpointed_layers")}
 
 
 def print_update_report(result: dict) -> None:

@@ -75,6 +75,12 @@ def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool |
     return apply_fsdp(model, ctx)  # 4.
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (HF's `...DecoderLayer` modules): the units checkpointed, compiled and
+    sharded."""
+    return [module for module in model.modules() if type(module).__name__.endswith("DecoderLayer")]
+
+
 # --- 1. tensor parallelism ------------------------------------------------------------------------------
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -218,7 +224,7 @@ def apply_ac(model: nn.Module, mode: bool | str = True, lora_compute_dtype: str 
             memory = ActivationMemory.measure(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if memory is not None:
-        memory.layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        memory.layers = decoder_layers(model)  # not the model's own flag, which HF sets too and never reads
         model.graft_activation_memory = memory
 
 
@@ -230,9 +236,8 @@ def apply_compile(model: nn.Module) -> None:
     layers share one compiled graph per mode: their code is the same and parameters are inputs, and the
     LoRA layers' fused forward is a class attribute with its mode a value (`graft.lora.fused`), not a
     per-layer object Dynamo would guard by identity. New shapes recompile once, then as dynamic."""
-    for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
-            module.compile()
+    for layer in decoder_layers(model):
+        layer.compile()
 
 
 # --- 4. FSDP2 ---------------------------------------------------------------------------------------------
@@ -267,9 +272,8 @@ def apply_fsdp(model: nn.Module, ctx: Dist) -> nn.Module:
 
     mesh = ctx.mesh["dp"] if ctx.mesh is not None else init_device_mesh(mesh_device(), (ctx.world_size,))
     policy = mixed_precision(model) or MixedPrecisionPolicy()
-    for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # neither setter is recursive: every unit

@@ -106,3 +106,18 @@ def test_both_sides_update_the_same_batch(monkeypatch, tmp_path):
     assert trl["optimizer_steps"] == 3  # warm-up, timed, profiled
     assert graft["non_embedding_parameters"] == trl["non_embedding_parameters"]
     assert "aten::" in (tmp_path / "profile" / "trl.txt").read_text()
+    # graft-settings copy graft's choice in this run: the tiny model's whole batch in one micro-batch,
+    # no layer checkpointed
+    assert graft["checkpointed_layers"] == 0 and graft["micro_batch_tokens"] >= 80
+    assert trl["micro_batch_rows"] == 8 and trl["gradient_checkpointing"] is False
+
+
+@pytest.mark.trl
+def test_trl_copies_the_sizes_of_grafts_side_in_the_same_run(monkeypatch, tmp_path):
+    """With every layer checkpointed and 40-token micro-batches on graft's side, TRL's graft-settings
+    checkpoint too and take 4 of the 10-token rows per micro-batch."""
+    result = _bench(monkeypatch, tmp_path, "-o", "train.activation_checkpointing=true",
+                    "-o", "train.max_tokens_per_micro_batch=40")
+    graft, trl = result["sides"]["graft"], result["sides"]["trl"]
+    assert graft["micro_batch_tokens"] == 40 and graft["checkpointed_layers"] == 2
+    assert trl["micro_batch_rows"] == 4 and trl["gradient_checkpointing"] is True
