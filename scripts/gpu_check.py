@@ -12,6 +12,9 @@ Checks, in order (each one a fresh process, so one failure never hides the next)
   match the trainer's within `sync.verify`'s tolerance, or the run fails).
 - `resume`: a run stopped after its checkpoint goes on with `--resume` to the end.
 - `export`: the trained adapter merged into a standalone model, which then loads.
+- `vllm MODE bfloat16`: where a CUDA vLLM is importable (`--vllm-site DIR`: scripts/gpu_vllm_install.sh
+  puts one there on a box without internet), `graft train` against the vLLM server graft launches
+  on the same GPU, in each sync mode.
 - `update bench`: one GRPO update at the Qwen2.5-0.5B shape (`graft bench update`); with
   `--update-sweep` also graft's update in the settings of `UPDATE_SWEEP`, side by side, and a profile
   of each (a few minutes more: beyond the ten).
@@ -164,6 +167,16 @@ def run_resume_and_export(checks: Checks, base: Path, steps: int) -> None:
                                "--out", str(out), "--dtype", "bfloat16"), lambda: _loads(out))
 
 
+def run_vllm(checks: Checks, base: Path, steps: int) -> None:
+    """`graft train` against a CUDA vLLM graft launches on the same GPU (bf16, both sync modes):
+    graft's launcher, entry module and patches on a CUDA build (scripts/gpu_vllm_wheels.py)."""
+    for mode in MODES:
+        run_dir = checks.work / f"run-vllm-{mode}"
+        argv = [*train_args(base, run_dir, mode, "bfloat16", 0, steps), "-orollout.engine=vllm",
+                "-orollout.gpu_memory_utilization=0.3"]
+        checks.run(f"vllm {mode} bfloat16", argv, judge_train(run_dir, steps), timeout_s=420)
+
+
 def _loads(model_dir: Path) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, help="install missing packages from these wheels (no internet)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=4, help="train runs side by side (default 4)")
-    parser.add_argument("--skip", default="", help="comma-separated: tests,train,resume,bench")
+    parser.add_argument("--skip", default="", help="comma-separated: tests,train,resume,vllm,bench")
+    parser.add_argument("--vllm-site", type=Path, help="a folder holding a CUDA vLLM (scripts/gpu_vllm_install.sh)")
     parser.add_argument("--bench-args", default="", help="extra arguments for `graft bench update`")
     parser.add_argument("--update-sweep", action="store_true",
                         help="the update bench also in UPDATE_SWEEP's settings, each profiled (minutes more)")
@@ -188,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     site = args.out / "site"
     installed = install_missing(site, args.wheels)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site), os.environ.get("PYTHONPATH", "")]),
+    paths = [str(ROOT), str(site), *([str(args.vllm_site)] if args.vllm_site else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    sys.path[:0] = [str(ROOT), str(site)]
+    sys.path[:0] = paths
     import torch
 
     global DEVICE
@@ -215,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         run_train_grid(checks, base, args.steps, args.parallel)
     if "resume" not in skip:
         run_resume_and_export(checks, base, args.steps)
+    if "vllm" not in skip and (DEVICE == "cuda" or args.vllm_site) and importlib.util.find_spec("vllm") is not None:
+        run_vllm(checks, base, args.steps)
     if "bench" not in skip:
         sweep = [f"--variant={v}" for v in UPDATE_SWEEP] + ["--profile", str(args.out / "update-profile")]
         checks.run("update bench", graft("bench", "update", "--json", str(args.out / "update.json"),

@@ -20,6 +20,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from graft.rollout.vllm.server.versions import api_server_module
+
 ROUTE = "/v1/graft/completions"
 
 
@@ -56,8 +58,7 @@ def add_batch_route(app) -> None:
 
 def patch_build_app(add_route: Callable[[Any], None]) -> None:
     """Make vLLM's API server entry build its app with `add_route(app)` applied (each patch once)."""
-    from vllm.entrypoints.launchers.api_server import entry
-
+    entry = api_server_module()
     build_app = entry.build_app
 
     def build_app_with_route(*args, **kwargs):

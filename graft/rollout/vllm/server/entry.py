@@ -104,6 +104,7 @@ if __name__ == "__main__":
 from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
 from graft.rollout.vllm.server.batch_route import add_batch_route, patch_build_app  # noqa: E402
 from graft.rollout.vllm.server.lora_memory import add_memory_route  # noqa: E402
+from graft.rollout.vllm.server.versions import run_api_server  # noqa: E402
 
 
 def _shorter_busy_wait() -> bool:
@@ -201,8 +202,6 @@ if __name__ in ("__main__", "__mp_main__"):  # the server and its spawned childr
     _INSTALLED = install_patches(_DEVICE, api_server=False)
 
 if __name__ == "__main__":
-    from vllm.entrypoints.launchers.api_server.entry import main
-
     _INSTALLED += install_patches(_DEVICE, api_server=True)
     print(patches_line(_DEVICE, _INSTALLED), file=sys.stderr, flush=True)
-    main()
+    run_api_server()

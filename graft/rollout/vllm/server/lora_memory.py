@@ -39,6 +39,7 @@ from graft.rollout.adapter_blob import (
     new_segment,
     open_segment,
 )
+from graft.rollout.vllm.server.versions import error_response_class
 
 ROUTE = "/v1/graft/load_lora_adapter"
 WORKER_EXTENSION = "graft.rollout.vllm.server.lora_memory.MemoryAdapterWorker"
@@ -137,7 +138,8 @@ def build_lora(manager, request, blob):
     peft_helper.validate_legal(manager.lora_config)
     adapters = manager._adapter_manager
     mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
-    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    if hasattr(mapper, "get_rename_mapper"):  # vLLM 0.20 takes the whole mapper, later ones its renames
+        mapper = mapper.get_rename_mapper()
     skip_prefixes = getattr(adapters.model, "lora_skip_prefixes", None)
     tensors = blob_tensors(blob, copy=False)
     check_modules(tensors, expected_modules(adapters), peft_helper.modules_to_save, mapper, skip_prefixes,
@@ -146,7 +148,8 @@ def build_lora(manager, request, blob):
         lora_model_id=request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
         skip_prefixes=skip_prefixes)
-    lora.is_3d_lora_weight = request.is_3d_lora_weight
+    if hasattr(request, "is_3d_lora_weight"):  # not in vLLM 0.20
+        lora.is_3d_lora_weight = request.is_3d_lora_weight
     for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
         if hasattr(adapters, check):
             getattr(adapters, check)(lora)
@@ -194,7 +197,7 @@ def drop_blobs_on_unload() -> None:
     the workers. vLLM's unload only forgets the name in the API server (the worker's LoRA cache evicts
     the weights when it needs the slot), so without this every version's blob would stay open."""
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    ErrorResponse = error_response_class()
 
     unload = OpenAIServingModels.unload_lora_adapter
     if getattr(unload, "_graft_drops_blobs", False):
@@ -217,7 +220,7 @@ def add_memory_route(app) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
     from vllm import envs
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    ErrorResponse = error_response_class()
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     def error(status: int, message: str) -> JSONResponse:
