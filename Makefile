@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: venv sglang-venv quickstart test gpu-check gpu-wheels clean
+.PHONY: venv sglang-venv quickstart test gpu-check gpu-wheels gpu-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ gpu-check:
 # For a GPU box offline: the wheels gpu-check installs from (GPU_CHECK_ARGS="--wheels .whl").
 gpu-wheels:
 	scripts/gpu_wheels.sh .whl
+
+# For a GPU box offline: CUDA vLLM 0.20.2 (torch 2.11's) and what the box lacks, in parts of at most 58 MiB
+# (.gpu-vllm/); there, scripts/gpu_vllm_install.sh once per carried part, then
+# GPU_CHECK_ARGS="--vllm-site /tmp/gpu-vllm/site".
+gpu-vllm: venv
+	$(BIN)/python scripts/gpu_vllm_wheels.py --out .gpu-vllm
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

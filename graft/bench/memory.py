@@ -53,7 +53,7 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     from graft.lora.attach import attach_lora, lora_parameters
     from graft.train.cpu_tuning import set_up_host_memory
     from graft.train.dist import Dist
-    from graft.train.parallelize import parallelize
+    from graft.train.parallelize import decoder_layers, parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 
@@ -74,7 +74,8 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"model_bytes": model_bytes, "peak_bytes": peak_bytes, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "tokens": sum(len(p) + len(c) for p, c in rows), "optimizer_steps": metrics["optimizer_steps"],
-            "activation_checkpointing": model.is_gradient_checkpointing}
+            # whether the update checkpointed a decoder layer (HF's model-level flag stays set under auto)
+            "activation_checkpointing": any(layer.gradient_checkpointing for layer in decoder_layers(model))}
 
 
 def worker_spec(shape: dict, dims: dict = QWEN_SHAPE) -> dict:
