@@ -41,7 +41,8 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
 
     vLLM gets the model's local directory (a hub id resolved in the local Hugging Face cache), checked
     to be a model directory before anything starts. The dev endpoints are on only for a run that
-    `syncs` with a mode that reloads weights through them: vLLM never authenticates them.
+    `syncs` with a mode that reloads weights through them: vLLM never authenticates them; such a run
+    serves no adapter, so its server has no LoRA.
 
     Raises:
         ConfigError: model.path is unset.
@@ -54,7 +55,10 @@ def launch_config(config: GraftConfig, run_dir: str | Path, syncs: bool = True) 
         dtype="float32" if config.model.dtype == "float32" else "bfloat16",
         max_lora_rank=rollout.max_lora_rank, max_loras=rollout.max_loras, max_model_len=rollout.max_model_len,
         tensor_parallel_size=rollout.tensor_parallel_size, gpu_memory_utilization=_gpu_share(rollout),
-        dev_endpoints=syncs and config.sync.reloads_weights, log_dir=Path(run_dir) / "logs")
+        dev_endpoints=syncs and config.sync.reloads_weights, log_dir=Path(run_dir) / "logs",
+        # A run that pushes merged weights serves no adapter: no LoRA slots. vLLM 0.20 cannot reload
+        # weights into a model whose layers LoRA wrapped (KeyError on `...gate_up_proj.weight`).
+        enable_lora=not (syncs and config.sync.reloads_weights))
 
 
 def _gpu_share(rollout) -> float | None:

@@ -84,9 +84,9 @@ async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str,
 
     Only a failure to *connect* (refused, reset or timed out while connecting) is retried, `retries`
     times with exponential backoff from `backoff_s`: the request never reached the server, so a
-    retry is safe even for calls that are not idempotent (an adapter load). A timeout or a
-    connection lost after sending may mean the server did the work (or is wedged), so it is raised
-    at once as `EngineUnavailableError`.
+    retry is safe even for calls that are not idempotent (an adapter load); and a GET whose
+    connection the server closed. A timeout or a connection lost after sending may mean the server
+    did the work (or is wedged), so it is raised at once as `EngineUnavailableError`.
     """
     for attempt in range(retries + 1):
         try:
@@ -98,6 +98,11 @@ async def send(http: httpx.AsyncClient, method: str, path: str, *, address: str,
         except httpx.TimeoutException as error:
             raise EngineUnavailableError(f"{method} {path}: no answer within {timeout_s:g} s ({error!r})",
                                          address=address) from error
+        except (httpx.ReadError, httpx.RemoteProtocolError) as error:
+            # A pooled connection the server closed: uvicorn closes one after a route raised (vLLM 0.20's
+            # adapter routes raise where later versions answer an error). A GET is safe to send again.
+            if method != "GET" or attempt == retries:
+                raise EngineUnavailableError(f"{method} {path}: {error!r}", address=address) from error
         except httpx.TransportError as error:  # e.g. the server died mid-request
             raise EngineUnavailableError(f"{method} {path}: {error!r}", address=address) from error
         await asyncio.sleep(backoff_s * 2**attempt)

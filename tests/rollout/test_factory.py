@@ -90,8 +90,9 @@ def test_launch_config_follows_the_sync_mode_and_the_context_length(base_dir, tm
     merged = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged", "model.dtype=bfloat16",
                                               "rollout.max_model_len=null"]), tmp_path)
     assert merged.dev_endpoints and merged.max_model_len is None and merged.dtype == "bfloat16"
+    assert adapter.enable_lora and not merged.enable_lora  # merged weights: no adapter to serve
     evaluating = launch_config(load_config(None, [f"model.path={base_dir}", "sync.mode=merged"]), tmp_path, syncs=False)
-    assert not evaluating.dev_endpoints  # eval reloads no weights, whatever sync.mode says
+    assert not evaluating.dev_endpoints and evaluating.enable_lora  # eval reloads no weights, whatever sync.mode says
     assert adapter.tensor_parallel_size == 1
     split = launch_config(load_config(None, [f"model.path={base_dir}", "rollout.tensor_parallel_size=2"]), tmp_path)
     assert split.tensor_parallel_size == 2

@@ -74,10 +74,10 @@ def test_gather_cancels_and_awaits_siblings_on_error():
     assert not unfinished  # nothing orphaned
 
 
-def _send_through(handler, retries=2):
+def _send_through(handler, retries=2, method="POST"):
     async def go():
         async with httpx.AsyncClient(base_url="http://engine.test", transport=httpx.MockTransport(handler)) as http:
-            return await send(http, "POST", "/x", address="http://engine.test", retries=retries, backoff_s=0.001,
+            return await send(http, method, "/x", address="http://engine.test", retries=retries, backoff_s=0.001,
                               timeout_s=5, json={"a": 1})
     return asyncio.run(go())
 
@@ -111,6 +111,24 @@ def test_send_never_retries_once_the_request_may_have_been_served(failure, words
     with pytest.raises(EngineUnavailableError, match=words):
         _send_through(handler)
     assert attempts == [1]
+
+
+@pytest.mark.parametrize("failure", [httpx.ReadError, httpx.RemoteProtocolError])
+def test_a_get_on_a_connection_the_server_closed_is_sent_again(failure):
+    """uvicorn closes a connection after a route raised (vLLM 0.20's adapter routes): the next GET on
+    it fails unread, and a GET is safe to send again; within `retries`."""
+    attempts = []
+
+    def handler(request):
+        attempts.append(1)
+        if len(attempts) < 2:
+            raise failure("", request=request)
+        return httpx.Response(200, json={"data": []})
+
+    assert _send_through(handler, method="GET").json() == {"data": []} and attempts == [1, 1]
+    attempts.clear()
+    with pytest.raises(EngineUnavailableError, match=failure.__name__):
+        _send_through(handler, retries=0, method="GET")
 
 
 @pytest.mark.parametrize("status, cls", [(400, BadRequestError), (404, BadRequestError), (422, BadRequestError),

@@ -317,7 +317,9 @@ class VllmClient:
                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             except EngineError as error:
                 raise _naming_path(error, path) from error
-            reset = (await self._call("POST", "/reset_prefix_cache")).json()
+            answer = await self._call("POST", "/reset_prefix_cache")
+            # vLLM 0.20 answers an empty 200 and says nothing of the outcome; later ones {"success": ...}
+            reset = answer.json() if answer.content else {"success": True}
             if reset.get("success") is not True:  # vLLM refuses while blocks are held by requests
                 raise EngineError(f"weights reloaded from {path} but the prefix cache was not reset: {reset}",
                                   address=self.address)

@@ -256,6 +256,11 @@ def add_memory_route(app) -> None:
         models = state.openai_serving_models
         try:
             answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        except Exception as failed:  # noqa: BLE001 - vLLM 0.20 raises what later versions answer as an
+            # ErrorResponse; answered here, as those are (escaping, it made uvicorn drop the connection)
+            if not _registered(models, path):
+                _drop_in_workers(state.engine_client, path)
+            return error(500, str(failed))
         finally:
             if body_segment is not None:  # the workers mapped it, or failed
                 body_segment.release()
