@@ -254,18 +254,20 @@ def add_memory_route(app) -> None:
         body_segment = new_segment(await raw_request.body()) if segment is None else None
         path = memory_path(label, segment or body_segment.segment)
         models = state.openai_serving_models
+
+        def refused(response: JSONResponse) -> JSONResponse:  # the workers' blob goes unless a name holds it
+            if not _registered(models, path):
+                _drop_in_workers(state.engine_client, path)
+            return response
+
         try:
             answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
         except Exception as failed:  # noqa: BLE001 - vLLM 0.20 raises what later versions answer as an
             # ErrorResponse; answered here, as those are (escaping, it made uvicorn drop the connection)
-            if not _registered(models, path):
-                _drop_in_workers(state.engine_client, path)
-            return error(500, str(failed))
+            return refused(error(500, str(failed)))
         finally:
             if body_segment is not None:  # the workers mapped it, or failed
                 body_segment.release()
         if isinstance(answer, ErrorResponse):
-            if not _registered(models, path):
-                _drop_in_workers(state.engine_client, path)
-            return JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
+            return refused(JSONResponse(content=answer.model_dump(), status_code=answer.error.code))
         return Response(status_code=200, content=answer)
