@@ -19,8 +19,9 @@ from memory (graft.rollout.vllm.server.lora_memory).
 
 Which of these patches a server gets is decided in one place, `PATCHES`, by the platform vLLM
 itself reports (`serving_device`: "cpu" or `current_platform.device_type`, "cuda" on a CUDA build):
-the busy-wait and the LoRA ops are vLLM-CPU's only, the batch route is the HTTP front end's and is
-installed everywhere, as is the prefix-cache key where the vLLM needs it. The API server says once in its log what it installed and what it skipped.
+the busy-wait and the LoRA ops are vLLM-CPU's only; the routes (the HTTP front end's) are installed
+everywhere, as is the prefix-cache key where the vLLM needs it. The API server says once in its log
+what it installed and what it skipped.
 
 The patches are installed at module top level because vLLM starts its engine core and workers with
 the `spawn` method on CPU, which imports the main module (this one) in every child as `__mp_main__`.
