@@ -30,9 +30,12 @@ from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 VLLM = "vllm==0.20.2"
 PART_MIB = 58  # + the ~3 MiB working tree: under a call's 64 MiB
+MAX_BACKTRACK = 20  # older versions tried per package before giving up
 # The GPU image's packages (/work/.library/device/KINDS.md, read 2026-11-17), normalized names.
 ON_THE_BOX = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -57,7 +60,7 @@ typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wra
 LEFT_OUT = re.compile(r"^(nvidia-.*|flashinfer-.*|quack-kernels|torch.*|triton|tilelang|z3-solver)$")
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "linux_x86_64"]
-# The box's interpreter: Python 3.12 on x86-64 Linux, no extras.
+# The box's interpreter: Python 3.12 on x86-64 Linux.
 BOX = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
        "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
 
@@ -77,28 +80,76 @@ def download(requirement: str, into: Path) -> Path:
     return next(iter(new)) if new else next(p for p in into.glob("*.whl") if normalized(p.name.split("-")[0]) == name)
 
 
-def requirements_of(wheel: Path) -> list[Requirement]:
-    """The wheel's own requirements that apply on the box (markers evaluated, no extras)."""
+def requirements_of(wheel: Path, extras: set[str]) -> list[Requirement]:
+    """The wheel's own requirements that apply on the box: markers evaluated without an extra and with
+    each of `extras` ("" = the wheel's plain requirements)."""
     with zipfile.ZipFile(wheel) as archive:
         metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         lines = archive.read(metadata).decode().splitlines()
     found = [Requirement(line.split(":", 1)[1].strip()) for line in lines if line.startswith("Requires-Dist:")]
-    return [r for r in found if r.marker is None or r.marker.evaluate(BOX)]
+    environments = [{**BOX, "extra": extra} for extra in extras]
+    return [r for r in found if r.marker is None or any(r.marker.evaluate(env) for env in environments)]
+
+
+def version_of(wheel: Path) -> Version:
+    return Version(wheel.name.split("-")[1])
+
+
+def clashes(wheel: Path, asked: dict[str, SpecifierSet], chosen: dict[str, Path]) -> list[str]:
+    """The wheel's requirements that an exact pin asked elsewhere, or a wheel already chosen, cannot meet."""
+    found = []
+    for requirement in requirements_of(wheel, {""}):
+        name = normalized(requirement.name)
+        pinned = [Version(spec.version) for spec in asked.get(name, ()) if spec.operator == "=="]
+        if name in chosen:
+            pinned.append(version_of(chosen[name]))
+        found += [f"{wheel.name} needs {requirement} (have {version})" for version in pinned
+                  if not requirement.specifier.contains(version, prereleases=True)]
+    return found
+
+
+def download_compatible(name: str, asked: dict[str, SpecifierSet], chosen: dict[str, Path], into: Path) -> Path:
+    """The newest wheel of `name` within what was asked of it whose own requirements fit the exact pins
+    asked so far: vLLM 0.20.2 pins apache-tvm-ffi==0.1.9, which xgrammar 0.2.7+ (within vLLM's own
+    range for it) cannot use, so an older xgrammar is taken (pip's resolver backtracks the same way)."""
+    specifier = asked[name]
+    for _ in range(MAX_BACKTRACK):
+        wheel = download(f"{name}{specifier}", into)
+        if not clashes(wheel, asked, chosen):
+            return wheel
+        wheel.unlink()
+        specifier &= SpecifierSet(f"<{version_of(wheel)}")
+    raise SystemExit(f"no wheel of {name} within {asked[name]} fits: {clashes(wheel, asked, chosen)}")
 
 
 def resolve(into: Path) -> list[Path]:
-    """vLLM and, recursively, each requirement neither on the box nor left out: one wheel per name."""
-    wheels, seen, queue = [], set(), [Requirement(VLLM)]
+    """vLLM and, recursively, each requirement neither on the box nor left out, with the extras it is
+    asked for (mistral-common needs `pydantic-extra-types[pycountry]`: without pycountry, importing
+    vLLM's API server failed): one wheel per name, within everything asked of that name."""
+    chosen: dict[str, Path] = {}
+    extras_done: dict[str, set[str]] = {}
+    asked: dict[str, SpecifierSet] = {normalized(Requirement(VLLM).name): Requirement(VLLM).specifier}
+    queue = [Requirement(VLLM)]
     while queue:
         requirement = queue.pop(0)
         name = normalized(requirement.name)
-        if name in seen or name in ON_THE_BOX or LEFT_OUT.match(name):
+        if name in ON_THE_BOX or LEFT_OUT.match(name):
             continue
-        seen.add(name)
-        wheel = download(f"{requirement.name}{requirement.specifier}", into)
-        wheels.append(wheel)
-        queue += requirements_of(wheel)
-    return wheels
+        extras = {""} | {normalized(extra) for extra in requirement.extras}
+        extras -= extras_done.setdefault(name, set())
+        if not extras:
+            continue
+        if name not in chosen:
+            chosen[name] = download_compatible(name, asked, chosen, into)
+        extras_done[name] |= extras
+        for needed in requirements_of(chosen[name], extras):
+            key = normalized(needed.name)
+            asked[key] = asked.get(key, SpecifierSet()) & needed.specifier
+            queue.append(needed)
+    unmet = [clash for wheel in chosen.values() for clash in clashes(wheel, {}, chosen)]
+    if unmet:
+        raise SystemExit("carried wheels that do not fit each other: " + "; ".join(unmet))
+    return list(chosen.values())
 
 
 def main() -> None:
