@@ -12,9 +12,10 @@ Checks, in order (each one a fresh process, so one failure never hides the next)
   match the trainer's within `sync.verify`'s tolerance, or the run fails).
 - `resume`: a run stopped after its checkpoint goes on with `--resume` to the end.
 - `export`: the trained adapter merged into a standalone model, which then loads.
-- `vllm MODE bfloat16`: where a CUDA vLLM is importable (`--vllm-site DIR`: scripts/gpu_vllm_install.sh
-  puts one there on a box without internet), `graft train` against the vLLM server graft launches
-  on the same GPU, in each sync mode.
+- `vllm smoke`, `vllm MODE bfloat16`: where a CUDA vLLM is importable (`--vllm-site DIR`:
+  scripts/gpu_vllm_install.sh puts one there on a box without internet), its imports and graft's command
+  line for it (scripts/gpu_vllm_smoke.py, seconds), then `graft train` against the vLLM server graft
+  launches on the same GPU, in each sync mode.
 - `update bench`: one GRPO update at the Qwen2.5-0.5B shape (`graft bench update`); with
   `--update-sweep` also graft's update in the settings of `UPDATE_SWEEP`, side by side, and a profile
   of each (a few minutes more: beyond the ten).
@@ -167,9 +168,16 @@ def run_resume_and_export(checks: Checks, base: Path, steps: int) -> None:
                                "--out", str(out), "--dtype", "bfloat16"), lambda: _loads(out))
 
 
-def run_vllm(checks: Checks, base: Path, steps: int) -> None:
+def run_vllm(checks: Checks, base: Path, steps: int, site: Path | None) -> None:
     """`graft train` against a CUDA vLLM graft launches on the same GPU (bf16, both sync modes):
-    graft's launcher, entry module and patches on a CUDA build (scripts/gpu_vllm_wheels.py)."""
+    graft's launcher, entry module and patches on a CUDA build (scripts/gpu_vllm_wheels.py). First the
+    seconds-long smoke check (scripts/gpu_vllm_smoke.py): where it fails, the runs would fail the same
+    way minutes later, and are not started."""
+    smoke_log = checks.work / "logs" / "vllm-smoke.log"
+    smoke = checks.run("vllm smoke", [sys.executable, str(ROOT / "scripts" / "gpu_vllm_smoke.py"),
+                                      *([str(site)] if site else [])], lambda: _last_line(smoke_log), timeout_s=120)
+    if smoke["status"] != "pass":
+        return
     for mode in MODES:
         run_dir = checks.work / f"run-vllm-{mode}"
         argv = [*train_args(base, run_dir, mode, "bfloat16", 0, steps), "-orollout.engine=vllm",
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if "resume" not in skip:
         run_resume_and_export(checks, base, args.steps)
     if "vllm" not in skip and (DEVICE == "cuda" or args.vllm_site) and importlib.util.find_spec("vllm") is not None:
-        run_vllm(checks, base, args.steps)
+        run_vllm(checks, base, args.steps, args.vllm_site)
     if "bench" not in skip:
         sweep = [f"--variant={v}" for v in UPDATE_SWEEP] + ["--profile", str(args.out / "update-profile")]
         checks.run("update bench", graft("bench", "update", "--json", str(args.out / "update.json"),

@@ -10,7 +10,9 @@ then packs them into one tar split into `PART_MIB` parts:
 
 On the box, one call per part, back to back (a machine stays warm 30 s between calls and keeps /tmp),
 each with `carry: [".gpu-vllm/part-KK"]`: `sh scripts/gpu_vllm_install.sh` appends the part to
-/tmp/gpu-vllm and, after the last, installs everything into /tmp/gpu-vllm/site.
+/tmp/gpu-vllm and, after the last, installs everything into /tmp/gpu-vllm/site. Checked without a GPU
+by doing the same with a Python 3.12 holding the box's torch 2.11.0, transformers 5.17.0 and numpy
+2.5.2, then `scripts/gpu_vllm_smoke.py /tmp/gpu-vllm/site` (which `make gpu-check` runs first on the box).
 
 Left out on purpose (`LEFT_OUT`): torch and its CUDA libraries (the box's own), flashinfer and the
 CUTLASS/cuDNN Python kernels (optional in vLLM: on Hopper its default attention is the FlashAttention

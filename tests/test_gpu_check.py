@@ -53,3 +53,29 @@ def test_the_update_sweep_names_settings_graft_accepts(gpu_check):
     # the sizes before memory-aware ones: the CPU's 64 MiB head chunk at the bench's vocabulary
     assert variants["fixed-8k"] == ["train.max_tokens_per_micro_batch=8192",
                                     f"train.logit_chunk_tokens={DEFAULT_CHUNK_ELEMENTS // QWEN_SHAPE['vocab']}"]
+
+
+def test_the_vllm_smoke_check_parses_graft_s_cuda_command_with_vllm_s_own_parser():
+    """The smoke check on this machine's vLLM (the GPU box runs it on the carried CUDA vLLM 0.20.2): a
+    stand-in CUDA platform, graft's CUDA command line parsed by vLLM, the patches a CUDA server gets."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_vllm_smoke.py")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert "graft's CUDA command parsed" in line and "--gpu-memory-utilization 0.3" in line, line
+    assert "patches lora_block_keys, batch_route, memory_adapters, skipped short_busy_wait, lora_cpu" in line, line
+
+
+def test_a_failed_vllm_smoke_check_starts_no_vllm_run(gpu_check, tmp_path):
+    class Recorded(gpu_check.Checks):
+        def run(self, name, argv, judge=None, timeout_s=None):
+            row = {"check": name, "status": "FAIL" if name == "vllm smoke" else "pass", "seconds": 0, "detail": ""}
+            self.rows.append(row)
+            return row
+
+    checks = Recorded(tmp_path, {}, timeout_s=1)
+    gpu_check.run_vllm(checks, tmp_path / "base", 1, tmp_path / "site")
+    assert [row["check"] for row in checks.rows] == ["vllm smoke"]
