@@ -185,6 +185,21 @@ def run_vllm(checks: Checks, base: Path, steps: int, site: Path | None) -> None:
         checks.run(f"vllm {mode} bfloat16", argv, judge_train(run_dir, steps), timeout_s=420)
 
 
+def judge_update(result_json: Path):
+    """The update bench's table detail: each side's seconds and share of the device's peak, and graft's
+    tokens/s over TRL's."""
+    def judge() -> str:
+        sides = json.loads(result_json.read_text())["sides"]
+        parts = [f"{name} {side['seconds']:.2f} s" + (f" ({side['peak_fraction']:.1%} of peak)"
+                                                      if side.get("peak_fraction") else "")
+                 for name, side in sides.items()]
+        if "graft" in sides and "trl" in sides:
+            ratio = sides["graft"]["tokens_per_second"] / sides["trl"]["tokens_per_second"]
+            parts.append(f"graft/TRL tokens/s {ratio:.2f}x")
+        return ", ".join(parts)
+    return judge
+
+
 def _loads(model_dir: Path) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = [f"--variant={v}" for v in UPDATE_SWEEP] + ["--profile", str(args.out / "update-profile")]
         checks.run("update bench", graft("bench", "update", "--json", str(args.out / "update.json"),
                                          *args.bench_args.split(), *(sweep if args.update_sweep else [])),
-                   timeout_s=600 if args.update_sweep else 360)
+                   judge_update(args.out / "update.json"), timeout_s=600 if args.update_sweep else 360)
     return report(checks.rows, device, time.monotonic() - started, args.out)
 
 

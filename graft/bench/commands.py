@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,13 +83,18 @@ def bench_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_bench(name: str, argv: list[str]) -> dict:
-    """Parse `graft bench NAME`'s flags, run the bench (it prints its table) and write --json."""
+def run_bench(name: str, argv: list[str]) -> int:
+    """Parse `graft bench NAME`'s flags, run the bench (it prints its table) and write --json. The exit
+    code: 1 where a side the bench was asked for failed (its result's `failed`, side -> why; the
+    others are still measured and written), so that a script running it (`make gpu-check`) sees it."""
     args = bench_parser(name).parse_args(argv)
     result = importlib.import_module(BENCHES[name].module).run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    if result.get("failed"):
+        print(f"graft bench {name}: failed: {', '.join(result['failed'])} (why: above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def add_bench_command(sub) -> None:

@@ -200,6 +200,7 @@ def run_update_bench(spec: dict, sides: tuple[str, ...] = SIDES, console: Consol
                 out["sides"][side] = side_summary(measures[side](Path(work)), spec, peak)
             except (TrlEnvError, RuntimeError) as e:
                 console.print(f"  {side} failed: {e}")
+                out.setdefault("failed", {})[side] = str(e).splitlines()[0]
     return out
 
 

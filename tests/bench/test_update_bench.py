@@ -121,3 +121,21 @@ def test_trl_copies_the_sizes_of_grafts_side_in_the_same_run(monkeypatch, tmp_pa
     graft, trl = result["sides"]["graft"], result["sides"]["trl"]
     assert graft["micro_batch_tokens"] == 40 and graft["checkpointed_layers"] == 2
     assert trl["micro_batch_rows"] == 4 and trl["gradient_checkpointing"] is True
+
+
+def test_a_side_that_fails_is_named_and_fails_the_command_after_the_others_are_measured(monkeypatch, tmp_path,
+                                                                                         capsys):
+    """A TRL worker that cannot start (on a GPU box: a package its image lacks) must not leave a run
+    that exits 0 with graft's side alone: the command exits 1 naming the side, the JSON says why."""
+    def trl_cannot_start(spec, work, console):
+        raise RuntimeError("the TRL run failed (exit 1); last lines: ModuleNotFoundError: No module named 'xxhash'")
+
+    monkeypatch.setattr(update, "DIMS", TINY_DIMS)
+    monkeypatch.setattr(update, "measure_trl", trl_cannot_start)
+    out = tmp_path / "update.json"
+    assert main(["bench", "update", *TINY_FLAGS, "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert list(result["sides"]) == ["graft"]
+    assert result["failed"] == {"trl": "the TRL run failed (exit 1); last lines: ModuleNotFoundError: No module "
+                                       "named 'xxhash'"}
+    assert "graft bench update: failed: trl (why: above)" in capsys.readouterr().err
