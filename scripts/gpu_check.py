@@ -5,7 +5,7 @@ with the interpreter it is started with and installs only the packages that inte
 `--wheels DIR` when given, for machines without internet, else from PyPI) into a private folder.
 
 Checks, in order (each one a fresh process, so one failure never hides the next):
-- `gpu tests`: the tests marked `gpu` (`pytest -m gpu`).
+- `gpu tests`: the tests marked `gpu` (`pytest -m gpu` over the files that hold them).
 - `train MODE DTYPE POLICY`: `graft train` for a few steps on a tiny model, with the in-process
   reference engine on the GPU, in each sync mode (adapter, merged), fp32 and bf16, on-policy and
   `max_staleness: 1`; each run's sync must be verified (the engine's log-probs of the new version
@@ -52,6 +52,12 @@ STALENESS = (0, 1)
 UPDATE_SWEEP = ("fixed-8k:train.max_tokens_per_micro_batch=8192,train.logit_chunk_tokens=110",
                 "lora-fp32:train.lora_compute_dtype=float32", "compiled:train.compile=true",
                 "tokens-32k:train.max_tokens_per_micro_batch=32768", "head-8k:train.logit_chunk_tokens=8192")
+
+
+def gpu_test_files() -> list[Path]:
+    """The test files that hold `gpu` tests: collecting the whole suite on a GPU box imports modules its
+    image lacks (the Tinker API's tests import `tinker`; uvicorn), and each such error failed the check."""
+    return sorted(path for path in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in path.read_text())
 
 
 def install_missing(site: Path, wheels: Path | None) -> list[str]:
@@ -243,9 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     checks = Checks(args.out, env, timeout_s=args.timeout)
     if "tests" not in skip:
-        checks.run("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                 "--continue-on-collection-errors",
-                                 "-rs", str(ROOT / "tests")], timeout_s=300)
+        checks.run("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
+                                 *map(str, gpu_test_files())], timeout_s=300)
     base = args.out / "tiny-base"
     if not base.exists():
         checks.run("tiny model", graft("tiny-model", str(base), "--hidden", "128", "--layers", "2"))

@@ -79,3 +79,18 @@ def test_a_failed_vllm_smoke_check_starts_no_vllm_run(gpu_check, tmp_path):
     checks = Recorded(tmp_path, {}, timeout_s=1)
     gpu_check.run_vllm(checks, tmp_path / "base", 1, tmp_path / "site")
     assert [row["check"] for row in checks.rows] == ["vllm smoke"]
+
+
+def test_the_gpu_tests_step_collects_every_gpu_test_from_the_files_it_names(gpu_check):
+    import re
+    import subprocess
+    import sys
+
+    def collected(*paths: str) -> int:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p",
+                               "no:cacheprovider", *paths], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        return int(re.search(r"(\d+)/\d+ tests collected", done.stdout).group(1))
+
+    files = gpu_check.gpu_test_files()
+    assert files and all(path.name.startswith("test_") for path in files)
+    assert collected(*map(str, files)) == collected(str(ROOT / "tests")) > 0
