@@ -20,7 +20,8 @@ Checks, in order (each one a fresh process, so one failure never hides the next)
   `--update-sweep` also graft's update in the settings of `UPDATE_SWEEP`, side by side, and a profile
   of each (a few minutes more: beyond the ten).
 
-`--out DIR` keeps every check's log and writes gpu-check.json and gpu-check.md (the table).
+`--out DIR` keeps every check's log and writes gpu-check.json and gpu-check.md (the table); `--bundle
+FILE` packs those, the logs and the profiles into one .tar.gz.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-sweep", action="store_true",
                         help="the update bench also in UPDATE_SWEEP's settings, each profiled (minutes more)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per train/resume/export check")
+    parser.add_argument("--bundle", type=Path, help="also pack the table, the JSON, the logs and the profiles into "
+                        "this .tar.gz (what a GPU machine hands back is a few files)")
     parser.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the checks on the CPU")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -269,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("update bench", graft("bench", "update", "--json", str(args.out / "update.json"),
                                          *args.bench_args.split(), *(sweep if args.update_sweep else [])),
                    judge_update(args.out / "update.json"), timeout_s=600 if args.update_sweep else 360)
-    return report(checks.rows, device, time.monotonic() - started, args.out)
+    code = report(checks.rows, device, time.monotonic() - started, args.out)
+    if args.bundle:
+        bundle(args.out, args.bundle)
+    return code
 
 
 def report(rows: list[dict], device: str, seconds: float, out: Path) -> int:
@@ -281,6 +288,16 @@ def report(rows: list[dict], device: str, seconds: float, out: Path) -> int:
     (out / "gpu-check.json").write_text(json.dumps({"device": device, "seconds": seconds, "checks": rows}, indent=1))
     print("\n" + "\n".join(table) + f"\n\n{verdict}")
     return 1 if failed else 0
+
+
+def bundle(out: Path, archive: Path) -> None:
+    """The results of `out` in one .tar.gz: tables, JSON, logs, profiles; not the installed packages, the
+    tiny model or the runs' weights."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(out.iterdir()):
+            if path.suffix in (".md", ".json") or path.name in ("logs", "update-profile"):
+                tar.add(path, arcname=path.name)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ without a GPU."""
 
 import importlib.util
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,9 @@ def test_without_a_gpu_the_check_refuses_in_one_line(gpu_check, tmp_path, capsys
 
 def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    archive = tmp_path / "back" / "gpu-check.tar.gz"
     code = gpu_check.main(["--allow-cpu", "--out", str(tmp_path), "--skip", "tests,train", "--steps", "1", "--timeout",
-                           "900",
-                           "--bench-args=--no-such-flag"])
+                           "900", "--bench-args=--no-such-flag", "--bundle", str(archive)])
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     status = {row["check"]: row["status"] for row in report["checks"]}
     assert status == {"tiny model": "pass", "resume (first part)": "pass", "resume": "pass", "export": "pass",
@@ -41,6 +42,10 @@ def test_resume_and_export_pass_on_the_cpu_and_a_failing_check_fails_the_run(gpu
     steps = [json.loads(line)["step"] for line in (tmp_path / "run-resume" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert (tmp_path / "exported" / "config.json").exists()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"gpu-check.md", "gpu-check.json", "logs/update-bench.log", "logs/resume.log"} <= names
+    assert not any(name.startswith(("site", "tiny-base", "run-", "exported")) for name in names), names
 
 
 def test_the_update_sweep_names_settings_graft_accepts(gpu_check):
