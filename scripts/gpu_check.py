@@ -215,7 +215,7 @@ def _loads(model_dir: Path) -> str:
     return f"{sum(p.numel() for p in model.parameters()):,} parameters on {next(model.parameters()).device}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
     parser.add_argument("--wheels", type=Path, help="install missing packages from these wheels (no internet)")
@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", type=Path, help="also pack the table, the JSON, the logs and the profiles into "
                         "this .tar.gz (what a GPU machine hands back is a few files)")
     parser.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the checks on the CPU")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
     site = args.out / "site"
