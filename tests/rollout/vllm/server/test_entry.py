@@ -102,7 +102,7 @@ def _cuda_platform():
 
 @pytest.fixture
 def vllm_ops_restored(monkeypatch):
-    """vLLM's LoRA ops and shared-memory spin as they are now, put back after the test."""
+    """vLLM's LoRA ops, shared-memory spin and prefix-cache key as they are now, put back after the test."""
     from vllm.distributed.device_communicators import shm_broadcast
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
@@ -116,6 +116,14 @@ def vllm_ops_restored(monkeypatch):
     return lora_ops, shm_broadcast
 
 
+@pytest.fixture(autouse=True)
+def vllm_key_restored(monkeypatch):
+    """vLLM's prefix-cache key function as it is now, put back after the test (which may patch it)."""
+    from vllm.v1.core import kv_cache_utils
+
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", kv_cache_utils._gen_lora_extra_hash_keys)
+
+
 def test_a_cuda_vllm_gets_the_http_routes_and_none_of_the_cpu_patches(monkeypatch, vllm_ops_restored):
     import vllm.platforms
 
@@ -127,8 +135,8 @@ def test_a_cuda_vllm_gets_the_http_routes_and_none_of_the_cpu_patches(monkeypatc
     assert device == "cuda"
     assert entry.select_patches(device) == (["lora_block_keys", "batch_route", "memory_adapters"],
                                             ["short_busy_wait", "lora_cpu"])
-    # The engine core and workers get nothing: this vLLM's prefix-cache key holds the adapter's path.
-    assert entry.install_patches(device, api_server=False) == []
+    # The engine core and workers get the prefix-cache key alone (this vLLM's key lacks the load).
+    assert entry.install_patches(device, api_server=False) == ["lora_block_keys"]
     assert lora_ops.bgmv_expand is not lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (1,)
     assert entry.patches_line(device, ["batch_route", "memory_adapters"]) == (
@@ -144,7 +152,7 @@ def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
     assert device == "cpu"
     assert entry.select_patches(device) == (
         ["short_busy_wait", "lora_cpu", "lora_block_keys", "batch_route", "memory_adapters"], [])
-    assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu"]
+    assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu", "lora_block_keys"]
     assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (entry.BUSY_LOOP_S,)
     assert entry.patches_line(device, ["short_busy_wait", "batch_route"]) == (
@@ -152,44 +160,60 @@ def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
         "off): lora_cpu, lora_block_keys, memory_adapters; skipped on cpu: none")
 
 
-def _lora_request(name: str, path: str) -> SimpleNamespace:
-    """What the prefix cache's key reads of a request through an adapter (and of one without)."""
-    return SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_path=path), mm_features=[],
-                           cache_salt=None, prompt_embeds=None)
+def _lora_request(name: str, path: str, load: int) -> SimpleNamespace:
+    """What the prefix cache's key reads of a request through an adapter, `load` the id vLLM gave
+    the adapter's load."""
+    return SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_path=path, lora_int_id=load),
+                           mm_features=[], cache_salt=None, prompt_embeds=None)
 
 
-def test_a_vllm_keying_adapter_blocks_by_name_alone_gets_them_keyed_by_name_and_path(monkeypatch):
-    """vLLM 0.20's key (the name alone) in this vLLM's module: after the patch, two adapters loaded
-    under one name from two paths share no prefix-cache block, and one adapter's blocks keep one key."""
+def _block_key(name: str, path: str, load: int):
     from vllm.v1.core import kv_cache_utils
 
-    from graft.rollout.vllm.server.versions import key_lora_blocks_by_path
+    return kv_cache_utils.generate_block_hash_extra_keys(_lora_request(name, path, load), 0, 16, 0)[0]
 
-    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys",
-                        lambda request: [request.lora_request.lora_name] if request.lora_request else [])
 
-    def key(name: str, path: str):
-        return kv_cache_utils.generate_block_hash_extra_keys(_lora_request(name, path), 0, 16, 0)[0]
+def _name_keys(request) -> list:  # vLLM 0.20's key
+    return [request.lora_request.lora_name] if request.lora_request else []
 
-    assert key("policy-v1", "/run-a/v1") == key("policy-v1", "/run-b/v1")  # the stale KV a reload would hit
-    assert key_lora_blocks_by_path()
-    assert key("policy-v1", "/run-a/v1") != key("policy-v1", "/run-b/v1")
-    assert key("policy-v1", "/run-a/v1") == key("policy-v1", "/run-a/v1")
+
+def _name_and_path_keys(request) -> list:  # vLLM 0.32's key
+    lora = request.lora_request
+    return [("lora", lora.lora_name, lora.lora_path)] if lora else []
+
+
+@pytest.mark.parametrize("vllm_keys", [_name_keys, _name_and_path_keys], ids=["vllm-0.20", "vllm-0.32"])
+def test_a_vllm_keying_adapter_blocks_without_their_load_gets_them_keyed_by_load(monkeypatch, vllm_keys):
+    """Each vLLM's key in this vLLM's module: after the patch, two loads under one name share no
+    prefix-cache block, from two paths or from one; the blocks of one load keep one key."""
+    from vllm.v1.core import kv_cache_utils
+
+    from graft.rollout.vllm.server.versions import key_lora_blocks_by_load
+
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", vllm_keys)
+    # the stale KV a load after an unload would hit: same path (both vLLMs), another path (0.20)
+    assert _block_key("policy-v1", "/run/v1", 1) == _block_key("policy-v1", "/run/v1", 2)
+    assert (_block_key("policy-v1", "/run-a/v1", 1) == _block_key("policy-v1", "/run-b/v1", 2)) == (
+        vllm_keys is _name_keys)
+    assert key_lora_blocks_by_load()
+    assert _block_key("policy-v1", "/run/v1", 1) != _block_key("policy-v1", "/run/v1", 2)
+    assert _block_key("policy-v1", "/run-a/v1", 1) != _block_key("policy-v1", "/run-b/v1", 2)
+    assert _block_key("policy-v1", "/run/v1", 1) == _block_key("policy-v1", "/run/v1", 1)
     assert kv_cache_utils.generate_block_hash_extra_keys(
         SimpleNamespace(lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None), 0, 16, 0)[0] is None
 
 
-def test_a_vllm_whose_key_holds_the_path_keeps_its_own(monkeypatch):
+def test_a_vllm_whose_key_holds_the_load_keeps_its_own(monkeypatch):
     from vllm.v1.core import kv_cache_utils
 
-    from graft.rollout.vllm.server.versions import key_lora_blocks_by_path
+    from graft.rollout.vllm.server.versions import key_lora_blocks_by_load
 
-    def own(request):  # vLLM 0.32's key
+    def own(request):
         lora = request.lora_request
-        return [("lora", lora.lora_name, lora.lora_path)] if lora else []
+        return [("lora", lora.lora_name, lora.lora_path, lora.lora_int_id)] if lora else []
 
     monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", own)
-    assert not key_lora_blocks_by_path()
+    assert not key_lora_blocks_by_load()
     assert kv_cache_utils._gen_lora_extra_hash_keys is own
 
 
@@ -203,5 +227,5 @@ def test_a_platform_graft_has_no_entry_for_gets_no_patch():
 def test_the_server_logs_once_which_patches_it_got(vllm_server):
     with open(vllm_server.log_path) as log:
         lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
-    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, batch_route, memory_adapters; not installed "
-                     "(another vLLM version, or turned off): lora_block_keys; skipped on cpu: none"]
+    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, lora_block_keys, batch_route, "
+                     "memory_adapters; skipped on cpu: none"]
