@@ -12,6 +12,7 @@ from pathlib import Path
 
 from graft import __version__
 from graft.bench.commands import add_bench_command
+from graft.config.arguments import COUNT, SEED
 from graft.quickstart.command import add_quickstart_command
 from graft.sync.verify_command import add_verify_command
 from graft.tenants.command import add_tenants_command
@@ -208,9 +209,9 @@ def _add_tiny_model_command(sub) -> None:
                                    "and a tokenizer trained locally, with a chat template. Deterministic for a seed.")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size, a multiple of 32 (default 128)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.add_argument("--hidden", type=COUNT, default=128, help="hidden size, a multiple of 32 (default 128)")
+    p.add_argument("--layers", type=COUNT, default=2, help="decoder layers (default 2)")
+    p.add_argument("--seed", type=SEED, default=0, help="weight initialisation seed (default 0)")
     p.set_defaults(func=cmd_tiny_model)
 
 
@@ -288,11 +289,11 @@ def _add_serve_command(sub) -> None:
                    help="vllm (default), or sglang: EXPERIMENTAL, from the virtualenv `make sglang-venv` builds, "
                         "loopback only, no API key (see docs/sglang-cpu.md)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="one of 1, 8, 16, 32, 64, 128, 256, 320, 512")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters held at once (default 4)")
+    p.add_argument("--port", type=COUNT, default=None, help="port (default: a free one)")
+    p.add_argument("--max-lora-rank", type=COUNT, default=16, help="one of 1, 8, 16, 32, 64, 128, 256, 320, 512")
+    p.add_argument("--max-loras", type=COUNT, default=4, help="adapters held at once (default 4)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens (default 2048)")
+    p.add_argument("--max-model-len", type=COUNT, default=2048, help="prompt + completion tokens (default 2048)")
     p.add_argument("--log-dir", default="runs/serve/logs", help="where vllm-<port>.log (sglang-<port>.log) goes")
     p.add_argument("--weight-reload", action=argparse.BooleanOptionalAction, default=False,
                    help="serve vLLM's dev endpoints (/pause, /collective_rpc, ...), which sync.mode merged needs; "

@@ -171,3 +171,35 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(base_di
     assert "--resume" in err[0] and checkpoints == ["step-000001"]  # no half-written step-2 checkpoint
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     assert main([*common, "--resume"]) == 0
+
+
+
+def _integer_flags(parser):
+    """(flag, type) of every flag of `parser` and its subcommands that takes an integer, with the parser
+    that reads it."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _integer_flags(sub)
+        elif action.option_strings and (action.type is int or str(getattr(action.type, "__name__", "")).startswith(
+                "integer")):
+            yield parser, action.option_strings[-1], action.type
+
+
+def test_every_integer_flag_refuses_values_below_its_bound_when_parsed(capsys):
+    """A count of 0 (layers, repeats, steps, ...) or a negative seed is an error at parse time, naming the
+    flag, for every command and bench: before, `graft tiny-model --layers 0` wrote a model of no layers and
+    a bench of `--repeats 0` failed at its end on an empty median."""
+    from graft.bench.commands import BENCHES, bench_parser
+
+    flags = [f for parser in [build_parser(), *map(bench_parser, BENCHES)] for f in _integer_flags(parser)]
+    assert len(flags) > 40 and [flag for _, flag, kind in flags if kind is int] == []
+    for parser, flag, kind in flags:
+        bound = int(kind.__name__.rsplit(" ", 1)[-1])
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([flag, str(bound - 1)])
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: must be at least {bound} (got {bound - 1})" in capsys.readouterr().err, \
+            (parser.prog, flag)

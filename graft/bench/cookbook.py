@@ -33,6 +33,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.config.arguments import COUNT
+
 COOKBOOK = "tinker-cookbook==0.6.1"
 # What the recipe imports beyond graft's environment (pure Python, or wheels for this platform).
 COOKBOOK_EXTRAS = ["chz==0.4.0", "blobfile==3.3.0", "lxml==6.1.3", "pycryptodomex==3.24.2", "termcolor==3.3.0",
@@ -180,14 +182,14 @@ def plot_rewards(result: dict, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="a packaged model's name or an HF directory")
-    parser.add_argument("--tenants", type=int, default=2, help="recipe processes run at once, one tenant each")
-    parser.add_argument("--steps", type=int, default=12, help="the recipe's max_steps")
-    parser.add_argument("--groups", type=int, default=8, help="the recipe's groups_per_batch (prompts per step)")
-    parser.add_argument("--group-size", type=int, default=8, help="the recipe's group_size (samples per prompt)")
-    parser.add_argument("--rank", type=int, default=8, help="the recipe's lora_rank (one vLLM accepts: 8, 16, ...)")
+    parser.add_argument("--tenants", type=COUNT, default=2, help="recipe processes run at once, one tenant each")
+    parser.add_argument("--steps", type=COUNT, default=12, help="the recipe's max_steps")
+    parser.add_argument("--groups", type=COUNT, default=8, help="the recipe's groups_per_batch (prompts per step)")
+    parser.add_argument("--group-size", type=COUNT, default=8, help="the recipe's group_size (samples per prompt)")
+    parser.add_argument("--rank", type=COUNT, default=8, help="the recipe's lora_rank (one vLLM accepts: 8, 16, ...)")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
-    parser.add_argument("--max-tokens", type=int, default=5, help="the recipe's max_tokens (the recipe's default)")
-    parser.add_argument("--window", type=int, default=3, help="steps averaged at the start and at the end")
+    parser.add_argument("--max-tokens", type=COUNT, default=5, help="the recipe's max_tokens (the recipe's default)")
+    parser.add_argument("--window", type=COUNT, default=3, help="steps averaged at the start and at the end")
     parser.add_argument("--out", default="runs/bench/cookbook", help="logs, the recipes' log paths, cookbook.png")
 
 

@@ -45,6 +45,7 @@ from rich.table import Table
 from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import load_config
+from graft.config.arguments import COUNT
 from graft.config.rollout import RolloutConfig
 from graft.models.loading import checkpoint_parameters
 from graft.models.tiny import build_tiny_model
@@ -317,16 +318,16 @@ def add_arguments(parser: argparse.ArgumentParser, repeats: bool = True) -> None
     of the two, the steps per run and how many interleaved repetitions."""
     from graft.models.packaged import PACKAGED_MODELS
 
-    parser.add_argument("--hidden", type=int, default=None,
+    parser.add_argument("--hidden", type=COUNT, default=None,
                         help="one model of this hidden size instead of h128 l2 and h512 l8")
     parser.add_argument("--model", choices=sorted(PACKAGED_MODELS), default=None,
                         help="one real packaged model instead (smollm2: SmolLM2-135M-Instruct)")
-    parser.add_argument("--layers", type=int, default=2,
+    parser.add_argument("--layers", type=COUNT, default=2,
                         help="decoder layers of the --hidden model (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=6,
+    parser.add_argument("--steps", type=COUNT, default=6,
                         help="steps per run, the first 2 are warm-up (default %(default)s)")
     if repeats:
-        parser.add_argument("--repeats", type=int, default=3,
+        parser.add_argument("--repeats", type=COUNT, default=3,
                             help="interleaved repetitions per side, medians reported (default and most %(default)s)")
 
 

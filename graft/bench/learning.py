@@ -29,6 +29,7 @@ from rich.table import Table
 
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import GraftConfig
+from graft.config.arguments import COUNT, SEED
 from graft.evaluation import evaluate, loaded_adapter
 from graft.models.cache import default_cache_dir
 from graft.models.loading import load_tokenizer
@@ -228,9 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench learning`'s flags: the base, graft's steps (TRL gets the same seconds), the seed, the plot."""
     parser.add_argument("--model", choices=MODELS, default="tiny",
                         help="the quickstart base both sides train: tiny (default) or a real packaged model (smollm2)")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=COUNT, default=None,
                         help="graft's steps (default: " + ", ".join(f"{m} {n}" for m, (n, _) in RUNS.items()) + ")")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the base and of both runs (default %(default)s)")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the base and of both runs (default %(default)s)")
     parser.add_argument("--plot-dir", default="runs/bench", help="where learning.png goes (default %(default)s)")
 
 

@@ -37,6 +37,7 @@ from rich.table import Table
 from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, QWEN_SHAPE, build_model, memory_batch
 from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl_memory_worker import CONFIGS
+from graft.config.arguments import COUNT
 from graft.models.packaged import PACKAGED_MODELS
 from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
 
@@ -190,7 +191,7 @@ def print_memory_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench memory`'s flags: the layers of the Qwen2.5-0.5B shape, and whether TRL runs too."""
-    parser.add_argument("--layers", type=int, default=2,
+    parser.add_argument("--layers", type=COUNT, default=2,
                         help="decoder layers: 2 (32 sequences, the default) or 24 (8 sequences)")
     parser.add_argument("--no-trl", action="store_true", help="measure graft only (no TRL virtualenv)")
     parser.add_argument("--model", choices=sorted(PACKAGED_MODELS), default=None,

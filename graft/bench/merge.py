@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from graft.config.arguments import COUNT
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.merge import iter_merged_weights
 from graft.models.tiny import ARCHS, tiny_config
@@ -114,12 +115,12 @@ def print_merge_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench merge`'s flags: the random model's shape, the LoRA rank, how often to time."""
-    parser.add_argument("--hidden", type=int, default=1024, help="model hidden size (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default %(default)s)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=7,
+    parser.add_argument("--hidden", type=COUNT, default=1024, help="model hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=COUNT, default=8, help="decoder layers (default %(default)s)")
+    parser.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--repeats", type=COUNT, default=7,
                         help="timed runs per side, median reported (default %(default)s)")
-    parser.add_argument("--cycles", type=int, default=50,
+    parser.add_argument("--cycles", type=COUNT, default=50,
                         help="PEFT merge/unmerge cycles for the drift measurement (default %(default)s)")
 
 

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from graft.config.arguments import COUNT
 from graft.lora.adapter_io import save_adapter
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.export import save_merged_model
@@ -151,10 +152,11 @@ def print_rollout_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench rollout`'s flags: the served model's shape, the LoRA rank, how many rounds."""
-    parser.add_argument("--hidden", type=int, default=256, help="model hidden size (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default %(default)s)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=7, help="rounds per side, median reported (default %(default)s)")
+    parser.add_argument("--hidden", type=COUNT, default=256, help="model hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=COUNT, default=4, help="decoder layers (default %(default)s)")
+    parser.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--repeats", type=COUNT, default=7,
+                        help="rounds per side, median reported (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from graft.config.arguments import COUNT
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
@@ -128,8 +129,8 @@ def print_soak_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench soak`'s flags: how many syncs, under how many request streams."""
-    parser.add_argument("--cycles", type=int, default=1000, help="adapter syncs (default %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=8, help="concurrent request streams (default %(default)s)")
+    parser.add_argument("--cycles", type=COUNT, default=1000, help="adapter syncs (default %(default)s)")
+    parser.add_argument("--concurrency", type=COUNT, default=8, help="concurrent request streams (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:

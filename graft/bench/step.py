@@ -26,6 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.config.arguments import COUNT
+
 VOCAB = 151_936
 SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}
 # Only the rollout's size and the evaluations differ from the defaults (1 example each: the
@@ -135,7 +137,7 @@ def print_step_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench step`'s flag: the layers of the Qwen2.5-0.5B shape."""
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (default %(default)s)")
+    parser.add_argument("--layers", type=COUNT, default=24, help="decoder layers (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:

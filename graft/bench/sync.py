@@ -36,6 +36,7 @@ from rich.table import Table
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from graft.config.arguments import COUNT
 from graft.lora.adapter_io import adapter_state_dict
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.lora.export import write_merged_model
@@ -278,7 +279,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=list(SHAPES),
                         help=f"model shapes (default: {' '.join(SHAPES)}; with --stall {STALL_MODEL}, whose "
                              "decode is slow enough to see a sync in)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--repeats", type=COUNT, default=5,
                         help="rounds per mode, median reported (default %(default)s; at most 5, with --sweep at "
                              "most 3)")
     parser.add_argument("--sweep", choices=["size", "rank"],

@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from graft.config.arguments import COUNT, at_least
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.tenants.policy import AdamParams, Datum, TenantPolicy, TenantSpec
@@ -118,21 +119,17 @@ def print_tenants_report(result: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenants", type=int, default=8, help="tenants trained together (default %(default)s)")
-    parser.add_argument("--hidden", type=int, default=256, help="the random base's hidden size (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="its layers (default %(default)s)")
-    parser.add_argument("--datums", type=int, default=4, help="sequences per tenant per round (default %(default)s)")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="counted rounds per side (default %(default)s)")
+    parser.add_argument("--tenants", type=COUNT, default=8, help="tenants trained together (default %(default)s)")
+    parser.add_argument("--hidden", type=COUNT, default=256, help="the random base's hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=COUNT, default=4, help="its layers (default %(default)s)")
+    parser.add_argument("--datums", type=COUNT, default=4, help="sequences per tenant per round (default %(default)s)")
+    parser.add_argument("--tokens", type=at_least(2), default=64,  # position i scores token i + 1
+                        help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--rounds", type=COUNT, default=5, help="counted rounds per side (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench tenants`: measure, print the table, return what --json writes."""
-    for flag in ("tenants", "hidden", "layers", "datums", "rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"graft: error: --{flag} must be at least 1")
-    if args.tokens < 2:
-        raise SystemExit("graft: error: --tokens must be at least 2 (position i scores token i + 1)")
     result = run_tenants_bench(args.tenants, args.hidden, args.layers, args.datums, args.tokens, args.rounds)
     print_tenants_report(result)
     return result

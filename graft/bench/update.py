@@ -46,6 +46,7 @@ from graft.bench.update_measure import (
     non_embedding_parameters,
     useful_flops,
 )
+from graft.config.arguments import COUNT
 from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
 
 SIDES = ("graft", "trl")
@@ -237,16 +238,16 @@ def print_update_report(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`graft bench update`'s flags: the shape, the batch, the device and dtype, the sides, profiling."""
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (default %(default)s)")
-    parser.add_argument("--sequences", type=int, default=64,
+    parser.add_argument("--layers", type=COUNT, default=24, help="decoder layers (default %(default)s)")
+    parser.add_argument("--sequences", type=COUNT, default=64,
                         help=f"rows in the batch, a multiple of the group ({GROUP}); default %(default)s")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="per row (default %(default)s)")
-    parser.add_argument("--completion-tokens", type=int, default=256, help="per row (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=COUNT, default=128, help="per row (default %(default)s)")
+    parser.add_argument("--completion-tokens", type=COUNT, default=256, help="per row (default %(default)s)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA where visible, else the CPU")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the base's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed updates after the warm-up; the best counts")
+    parser.add_argument("--repeats", type=COUNT, default=2, help="timed updates after the warm-up; the best counts")
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of: graft, trl (default both)")
     parser.add_argument("--trl-config", choices=CONFIGS, default="graft-settings",
                         help="TRL's settings, as `graft bench memory` (default %(default)s)")
@@ -266,8 +267,8 @@ def update_spec(args: argparse.Namespace) -> dict:
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     if not sides or set(sides) - set(SIDES):
         raise ValueError(f"--sides {args.sides!r}: choose from {', '.join(SIDES)}")
-    if args.sequences < GROUP or args.sequences % GROUP or args.repeats < 1:
-        raise ValueError(f"--sequences must be a multiple of {GROUP} and --repeats at least 1")
+    if args.sequences % GROUP:
+        raise ValueError(f"--sequences must be a multiple of {GROUP} (got {args.sequences})")
     variants = parse_variants(args.variant, args.override)
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")

@@ -25,6 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.config.arguments import COUNT
 from graft.models.packaged import PACKAGED_MODELS
 
 WARMUP_STEPS = 2
@@ -131,9 +132,9 @@ def print_verify_report(result: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=16, help="steps per quickstart run (default %(default)s; the "
+    parser.add_argument("--steps", type=COUNT, default=16, help="steps per quickstart run (default %(default)s; the "
                                                               f"first {WARMUP_STEPS} are not counted)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per setting, alternating (default %(default)s)")
+    parser.add_argument("--repeats", type=COUNT, default=2, help="runs per setting, alternating (default %(default)s)")
     parser.add_argument("--no-shape", action="store_true", help=f"skip the {SHAPE} part (~2 min)")
     parser.add_argument("--model", choices=("tiny", *PACKAGED_MODELS), default="tiny",
                         help="whose quickstart: the tiny model's, or a packaged real model's (smollm2: what "

@@ -26,11 +26,37 @@ def _dotted(loc: Sequence[str | int]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
 
 
+def _union_member(part: str | int) -> bool:
+    """Whether `part`, the last of an error's location, names a member of a union type, as pydantic
+    appends to each member's error (`int`, `constrained-int`, `literal['auto']`, `list[str]`): such
+    errors are one mistake, which `_merged_unions` reports once."""
+    return isinstance(part, str) and (part in ("int", "float", "bool", "str", "none") or "[" in part
+                                      or part.startswith("constrained-"))
+
+
+def _merged_unions(errors: list[dict]) -> list[dict]:
+    """`errors` with the errors of each union-typed setting (one per member type the value is not)
+    merged into one at the setting's own key: "Input should be greater than 0 or 'auto'"."""
+    merged: list[dict] = []
+    for err in errors:
+        loc = err["loc"]
+        if len(loc) < 2 or not _union_member(loc[-1]) or "error" in err.get("ctx", {}):
+            merged.append(err)
+            continue
+        wanted = err["msg"].removeprefix("Input should be ").split(", unable to")[0]
+        last = merged[-1] if merged else None
+        if last is not None and last.get("union") and last["loc"] == loc[:-1] and last["input"] == err["input"]:
+            last["msg"] += f" or {wanted}"
+        else:
+            merged.append({**err, "loc": loc[:-1], "msg": f"Input should be {wanted}", "union": True})
+    return merged
+
+
 def _format_errors(e: ValidationError, file: str | None, overrides: Sequence[str]) -> str:
-    """One line per pydantic error, pydantic boilerplate removed, each naming its full dotted key
-    and where the value came from (an override, else the file)."""
+    """One line per mistake (the member errors of a union-typed setting merged), pydantic boilerplate
+    removed, each naming its full dotted key and where the value came from (an override, else the file)."""
     lines = []
-    for err in e.errors(include_url=False):
+    for err in _merged_unions(e.errors(include_url=False)):
         key = _dotted(err["loc"])
         cause = err.get("ctx", {}).get("error")
         if err["type"] == "extra_forbidden":

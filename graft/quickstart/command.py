@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from graft.config.arguments import COUNT, SEED
+
 MODELS = ("tiny", "smollm2")  # graft.quickstart.base.MODELS, named here without importing torch
 
 
@@ -31,8 +33,8 @@ def add_quickstart_command(sub) -> None:
     p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, "
                                                    "runs/quickstart-TASK for another task, runs/quickstart-MODEL "
                                                    "for a real model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the base model, data order and sampling (default 0)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the task's config's)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the base model, data order and sampling (default 0)")
+    p.add_argument("--steps", type=COUNT, default=None, help="GRPO steps (default: the task's config's)")
     p.add_argument("--cache-dir", default=None, help="where base models are cached (default $GRAFT_CACHE or "
                                                      "~/.cache/graft)")
     p.set_defaults(func=run)

@@ -17,6 +17,8 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from graft.config.arguments import COUNT
+
 DEFAULT_PORT = 8210
 
 
@@ -86,8 +88,6 @@ def cmd_tenants_serve(args: argparse.Namespace) -> None:
         key = "tml-" + secrets.token_hex(16)
         print(f"graft: no TINKER_API_KEY set; this service's key: {key}", file=sys.stderr, flush=True)
     check_api_key(key)
-    if args.keep_versions < 1:
-        raise ValueError(f"--keep-versions must be at least 1, got {args.keep_versions}")
     asyncio.run(_serve(args, key))
 
 
@@ -100,11 +100,11 @@ def add_tenants_command(sub) -> None:
     serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory "
                                                     "or a .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--port", type=COUNT, default=DEFAULT_PORT)
     serve.add_argument("--engine-url", help="a running vLLM server of the same base (default: launch one)")
-    serve.add_argument("--max-loras", type=int, default=8, help="the engine's adapter slots, for all tenants")
-    serve.add_argument("--max-rank", type=int, default=32, help="the largest LoRA rank a tenant may ask for")
-    serve.add_argument("--keep-versions", type=int, default=2, help="versions of each tenant kept served")
+    serve.add_argument("--max-loras", type=COUNT, default=8, help="the engine's adapter slots, for all tenants")
+    serve.add_argument("--max-rank", type=COUNT, default=32, help="the largest LoRA rank a tenant may ask for")
+    serve.add_argument("--keep-versions", type=COUNT, default=2, help="versions of each tenant kept served")
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--run-dir", type=Path, default=Path("runs/tenants"), help="published adapters and logs")
     serve.set_defaults(func=cmd_tenants_serve)

@@ -1,11 +1,10 @@
 """`graft bench tenants` plumbing on a small base: both sides train, the isolation it reports is the
 tenants' (exact here), and the memory it reports is the tenants' adapters and optimizer state."""
 
-import argparse
-
 import pytest
 
-from graft.bench.tenants import run, run_tenants_bench
+from graft.bench.tenants import run_tenants_bench
+from graft.cli import main
 
 
 def test_the_bench_reports_throughput_isolation_and_the_state_tenants_add():
@@ -18,8 +17,9 @@ def test_the_bench_reports_throughput_isolation_and_the_state_tenants_add():
     assert result["tenant_state_bytes"] % (3 * 3 * 4) == 0 and 0 < result["tenant_state_bytes"] < result["base_bytes"]
 
 
-def test_bad_sizes_are_refused_before_anything_starts():
-    with pytest.raises(SystemExit, match="--tokens must be at least 2"):
-        run(argparse.Namespace(tenants=2, hidden=64, layers=1, datums=1, tokens=1, rounds=1))
-    with pytest.raises(SystemExit, match="--tenants must be at least 1"):
-        run(argparse.Namespace(tenants=0, hidden=64, layers=1, datums=1, tokens=8, rounds=1))
+@pytest.mark.parametrize(("flags", "error"), [(["--tokens", "1"], "argument --tokens: must be at least 2 (got 1)"),
+                                             (["--tenants", "0"], "argument --tenants: must be at least 1 (got 0)")])
+def test_bad_sizes_are_refused_before_anything_starts(capsys, flags, error):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "tenants", *flags])
+    assert exit_info.value.code == 2 and error in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_refuses_a_variant_without_a_name_or_with_a_bad_setting(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("flags, named", [(["--sides", "graft,vllm"], "--sides"), (["--sides", ""], "--sides"),
-                                          (["--sequences", "12"], "--sequences"), (["--repeats", "0"], "--repeats")])
+                                          (["--sequences", "12"], "--sequences")])
 def test_refuses_unknown_sides_and_partial_groups(monkeypatch, tmp_path, capsys, flags, named):
     out = tmp_path / "update.json"
     assert main(["bench", "update", *TINY_FLAGS, "--json", str(out), *flags]) == 2

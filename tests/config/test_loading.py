@@ -127,6 +127,23 @@ def test_range_error_names_key():
     assert _error(overrides=["lora.rank=0"]).startswith("lora.rank: Input should be greater than or equal to 1")
 
 
+@pytest.mark.parametrize(("override", "line"), [
+    ("train.max_tokens_per_micro_batch=0", "train.max_tokens_per_micro_batch: Input should be greater than 0 or "
+     "'auto' (got 0) (from override 'train.max_tokens_per_micro_batch=0')"),
+    ("train.activation_checkpointing=maybe", "train.activation_checkpointing: Input should be 'auto' or a valid "
+     "boolean (got 'maybe') (from override 'train.activation_checkpointing=maybe')"),
+])
+def test_a_bad_value_of_a_union_typed_setting_is_one_line_at_its_own_key(override, line):
+    """pydantic reports one error per member type of the union (`...micro_batch.constrained-int`,
+    `...micro_batch.literal['auto']`): one mistake, one line."""
+    assert _error(overrides=[override]) == line
+
+
+def test_two_settings_with_the_same_bad_value_stay_two_errors():
+    lines = _error(overrides=["train.steps=x", "train.lr=x"]).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["train.steps", "train.lr"]
+
+
 def test_several_errors_one_line_each_first_first():
     lines = _error(overrides=["lora.rank=0", "train.lr=-1"]).splitlines()
     assert len(lines) == 2
