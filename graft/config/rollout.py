@@ -27,7 +27,8 @@ class RolloutConfig(Section):
     launch: bool = Field(True, description="Whether graft may start the inference server itself.")
     max_loras: int = Field(4, ge=1, description="Adapter slots on the server (vLLM --max-loras).")
     max_lora_rank: int = Field(16, description="Largest adapter rank the server accepts (vLLM --max-lora-rank).")
-    n_samples: int = Field(8, ge=1, description="Completions sampled per prompt (the group size G).")
+    n_samples: int = Field(8, description="Completions sampled per prompt (the group size G), at least 2: "
+                           "the advantages compare a prompt's samples with each other.")
     max_new_tokens: int = Field(32, ge=1, description="Maximum tokens generated per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -83,6 +84,14 @@ class RolloutConfig(Section):
         "the run opens its engines (unset or empty: no key). The default is the variable vLLM itself reads, so "
         "a server graft launches with it set and graft's requests agree."
     )
+
+    @field_validator("n_samples")
+    @classmethod
+    def _check_n_samples(cls, v: int) -> int:
+        if v < 2:  # TRL's GRPOTrainer refuses num_generations < 2 too
+            raise ValueError(f"must be at least 2: the advantages compare a prompt's samples with each other, and "
+                             f"a group of one gets advantage 0, so the run would learn nothing (got {v})")
+        return v
 
     @field_validator("cpu_reserved_cores", mode="before")
     @classmethod

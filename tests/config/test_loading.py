@@ -205,3 +205,9 @@ def test_a_cross_field_error_names_the_file_and_the_override_it_came_from(tmp_pa
         load_config(path)
     with pytest.raises(ConfigError, match=rf"\(from override 'rollout.urls=\[\]'; in {path}\)$"):
         load_config(path, ["rollout.urls=[]"])
+
+
+def test_a_group_of_one_sample_is_refused_naming_why():
+    """GRPO's advantages compare a prompt's samples: with one per prompt every advantage is 0."""
+    assert _error(overrides=["rollout.n_samples=1"]).startswith(
+        "rollout.n_samples: must be at least 2: the advantages compare a prompt's samples with each other")
