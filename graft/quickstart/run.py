@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from statistics import median_high
 
 from rich.console import Console
 from rich.markup import escape
@@ -73,11 +74,11 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
         "reward_last_steps": _mean([r["reward_mean"] for r in rows[-window:]]),
         "max_adapters_loaded": max(r["engine_adapters_loaded"] for r in rows),
         "keep_versions": config.sync.resolved_keep_versions(config.rollout.max_staleness),
-        "sync_seconds_median": _median([r["sync_seconds"] for r in rows]),
+        "sync_seconds_median": median_high([r["sync_seconds"] for r in rows]),
         # the two parts a user weighs differently: the load rollouts wait for; the check, which runs
         # beside the next step's work (its seconds are mostly waiting for the update on the model thread)
-        "sync_load_seconds_median": _median([r["sync_publish_seconds"] + r["sync_apply_seconds"] for r in rows]),
-        "verify_seconds_median": _median([r["sync_verify_seconds"] for r in rows]),
+        "sync_load_seconds_median": median_high([r["sync_publish_seconds"] + r["sync_apply_seconds"] for r in rows]),
+        "verify_seconds_median": median_high([r["sync_verify_seconds"] for r in rows]),
         "max_sync_logprob_gap": max(r["sync_logprob_abs_diff_max"] or 0.0 for r in rows),
     }
     atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2) + "\n")
@@ -104,10 +105,6 @@ def _train_resuming_after_engine_loss(config: GraftConfig, run_dir: Path, consol
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def _clear_run_dir(run_dir: Path) -> None:
