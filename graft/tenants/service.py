@@ -65,6 +65,9 @@ class Op:
     future: asyncio.Future
 
 
+ISSUED_KEPT = 64  # operations per model whose request ids a resent request gets back (`submit`)
+
+
 @dataclass
 class Model:
     """A training model: a tenant's adapter, and its operations waiting for their turn."""
@@ -75,6 +78,8 @@ class Model:
     next_seq: int = 1
     waiting: dict[int, Op] = field(default_factory=dict)
     busy: bool = False
+    created_by: str = ""  # the request id of the create_model that made it
+    issued: dict[int, tuple[str, str]] = field(default_factory=dict)  # recent seq_id -> (kind, request id)
 
 
 class TenantService:
@@ -189,6 +194,8 @@ class TenantService:
             RequestFailed: an unknown session or base model, a rank the engine cannot serve, or no
                 LoRA target asked for.
         """
+        if (retried := self._created(session_id, model_seq_id)) is not None:
+            return retried
         self._check_base(base_model)
         rank = int(lora.get("rank", 32))
         targets = (ATTENTION if lora.get("train_attn", True) else ()) + (MLP if lora.get("train_mlp", True) else ())
@@ -197,10 +204,13 @@ class TenantService:
         seed = int(lora["seed"]) if lora.get("seed") is not None else len(self.models)
         model = self._new_model(session_id, model_seq_id, rank)
         spec = TenantSpec(model.tenant, rank=rank, alpha=float(rank), target_modules=targets, seed=seed)
-        return self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model.model_id)))
+        model.created_by = self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model.model_id)))
+        return model.created_by
 
     def create_model_from_state(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool) -> str:
         """A new tenant whose adapter (and optimizer, `with_optimizer`) is the state saved at `path`."""
+        if (retried := self._created(session_id, model_seq_id)) is not None:
+            return retried
         state_dir = self.state_dir(path)
         spec = tenant_spec(state_dir, "")
         model = self._new_model(session_id, model_seq_id, spec.rank)
@@ -210,7 +220,16 @@ class TenantService:
             load_tenant(self.policy, model.tenant, state_dir, with_optimizer=with_optimizer)
             return {"path": path, "model_id": model.model_id}
 
-        return self._job(self.run_on_model(add_and_load))
+        model.created_by = self._job(self.run_on_model(add_and_load))
+        return model.created_by
+
+    def _created(self, session_id: str, model_seq_id: int) -> str | None:
+        """The request id of the session's model `model_seq_id` if it was created already. The SDK sends
+        a request again when its answer was lost (a timeout: under a full test run's load a cookbook
+        recipe's first save_weights_for_sampler was refused so, which failed the run), and the same
+        request gets the same answer here and in `submit`."""
+        model = self.models.get(f"{session_id}:train:{model_seq_id}")
+        return model.created_by if model is not None and model.created_by else None
 
     def _new_model(self, session_id: str, model_seq_id: int, rank: int) -> Model:
         self._session(session_id)
@@ -276,10 +295,14 @@ class TenantService:
             RequestFailed: an unknown model, or a sequence id already used.
         """
         model = self.model(model_id)
+        if (issued := model.issued.get(seq_id)) is not None and issued[0] == kind:
+            return issued[1]  # sent again, its answer lost (`_created`)
         if seq_id < model.next_seq or seq_id in model.waiting:
             raise RequestFailed(f"model {model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
         request_id, future = self.futures.new()
         model.waiting[seq_id] = Op(kind, seq_id, payload, future)
+        model.issued[seq_id] = (kind, request_id)
+        model.issued.pop(seq_id - ISSUED_KEPT, None)
         self._wake.set()
         return request_id
 

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 
+import httpx
 import pytest
 import tinker
 import torch
@@ -189,3 +190,24 @@ async def _session_with_a_model(service) -> str:
     request_id = service.create_model(session, 0, service.base_model, {"rank": 2})
     assert (await service.futures.wait(request_id, 60))["model_id"] == f"{session}:train:0"
     return session
+
+
+def test_a_request_sent_again_gets_the_first_ones_answer_and_runs_once(running, base_dir):
+    """The SDK sends a request again, with a new idempotency key, when its answer was lost (a timeout:
+    under a full test run's load a cookbook recipe's first save_weights_for_sampler was refused as a
+    used seq_id, which failed the recipe). The same model_seq_id or seq_id and kind get the same
+    request id, and the operation runs once; another kind at a used seq_id is still refused."""
+    headers = {"X-API-Key": API_KEY}
+    with httpx.Client(base_url=running.url + "/api/v1", headers=headers, timeout=60) as http:
+        session = http.post("/create_session", json={}).json()["session_id"]
+        create = {"session_id": session, "model_seq_id": 0, "base_model": str(base_dir), "lora_config": {"rank": 2}}
+        first, again = (http.post("/create_model", json=create).json()["request_id"] for _ in range(2))
+        assert first == again and len(running.service.sessions[session]) == 1
+        model_id = http.post("/retrieve_future", json={"request_id": first}).json()["model_id"]
+        step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+        first, again = (http.post("/optim_step", json=step).json()["request_id"] for _ in range(2))
+        assert first == again
+        assert http.post("/retrieve_future", json={"request_id": first}).status_code == 200
+        assert running.service.models[model_id].next_seq == 2  # one optim_step ran
+        refused = http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1})
+        assert refused.status_code == 400 and "seq_id 1 was used already" in refused.json()["detail"]
