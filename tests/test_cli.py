@@ -173,6 +173,10 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(base_di
     assert main([*common, "--resume"]) == 0
 
 
+def _bounded(kind) -> bool:
+    """Whether `kind` is an argparse type made by `graft.config.arguments.at_least`."""
+    return getattr(kind, "__name__", "").startswith("integer >= ")
+
 
 def _integer_flags(parser):
     """(flag, type) of every flag of `parser` and its subcommands that takes an integer, with the parser
@@ -183,8 +187,7 @@ def _integer_flags(parser):
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 yield from _integer_flags(sub)
-        elif action.option_strings and (action.type is int or str(getattr(action.type, "__name__", "")).startswith(
-                "integer")):
+        elif action.option_strings and (action.type is int or _bounded(action.type)):
             yield parser, action.option_strings[-1], action.type
 
 

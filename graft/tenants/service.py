@@ -229,7 +229,7 @@ class TenantService:
         recipe's first save_weights_for_sampler was refused so, which failed the run), and the same
         request gets the same answer here and in `submit`."""
         model = self.models.get(f"{session_id}:train:{model_seq_id}")
-        return model.created_by if model is not None and model.created_by else None
+        return None if model is None else model.created_by
 
     def _new_model(self, session_id: str, model_seq_id: int, rank: int) -> Model:
         self._session(session_id)
