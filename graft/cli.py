@@ -12,7 +12,7 @@ from pathlib import Path
 
 from graft import __version__
 from graft.bench.commands import add_bench_command
-from graft.config.arguments import COUNT, SEED
+from graft.config.arguments import COUNT, PORT, SEED
 from graft.quickstart.command import add_quickstart_command
 from graft.sync.verify_command import add_verify_command
 from graft.tenants.command import add_tenants_command
@@ -289,7 +289,7 @@ def _add_serve_command(sub) -> None:
                    help="vllm (default), or sglang: EXPERIMENTAL, from the virtualenv `make sglang-venv` builds, "
                         "loopback only, no API key (see docs/sglang-cpu.md)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=COUNT, default=None, help="port (default: a free one)")
+    p.add_argument("--port", type=PORT, default=None, help="port (default: a free one)")
     p.add_argument("--max-lora-rank", type=COUNT, default=16, help="one of 1, 8, 16, 32, 64, 128, 256, 320, 512")
     p.add_argument("--max-loras", type=COUNT, default=4, help="adapters held at once (default 4)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")

@@ -7,8 +7,9 @@ import argparse
 from collections.abc import Callable
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """The argparse `type` of an integer flag whose value must be `minimum` or more."""
+def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """The argparse `type` of an integer flag whose value must be `minimum` or more (and `maximum` or
+    less, where given)."""
 
     def parse(text: str) -> int:
         try:
@@ -17,11 +18,15 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum} (got {value})")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer >= {minimum}" if maximum is None else f"integer in {minimum}..{maximum}"
+    parse.minimum, parse.maximum = minimum, maximum
     return parse
 
 
 COUNT = at_least(1)  # layers, sizes, steps, repeats, ...: one at least
 SEED = at_least(0)
+PORT = at_least(1, 65_535)  # a TCP port

@@ -17,7 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from graft.config.arguments import COUNT
+from graft.config.arguments import COUNT, PORT
 
 DEFAULT_PORT = 8210
 
@@ -100,7 +100,7 @@ def add_tenants_command(sub) -> None:
     serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory "
                                                     "or a .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
-    serve.add_argument("--port", type=COUNT, default=DEFAULT_PORT)
+    serve.add_argument("--port", type=PORT, default=DEFAULT_PORT)
     serve.add_argument("--engine-url", help="a running vLLM server of the same base (default: launch one)")
     serve.add_argument("--max-loras", type=COUNT, default=8, help="the engine's adapter slots, for all tenants")
     serve.add_argument("--max-rank", type=COUNT, default=32, help="the largest LoRA rank a tenant may ask for")
