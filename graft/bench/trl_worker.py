@@ -111,26 +111,11 @@ def padded_length(tokenizer, examples: list[Example], spec: dict) -> int:
     return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) + spec["max_new_tokens"]
 
 
-def run(spec: dict) -> dict:
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    setup_start = time.perf_counter()
-    train_set, _ = load_task_data(DataConfig(task=spec["task"], reward=spec["reward"]))
-    tokenizer = AutoTokenizer.from_pretrained(spec["base"])
-    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
-    lora = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=spec["targets"],
-                      task_type="CAUSAL_LM")
-    steps: list[dict] = []
-    adapters: list[dict] = []
-    save_dir = Path(spec["save_dir"]) if spec.get("save_every") else None
+def timed_trainer_class():
+    """TRL's GRPOTrainer, timing its generation + scoring (its "rollout"); the rest of a step is training."""
+    from trl import GRPOTrainer
 
     class TimedGRPOTrainer(GRPOTrainer):
-        """Times TRL's generation + scoring (its "rollout"); the rest of a step is training."""
-
         rollout_seconds = 0.0
         batch_stats: dict = {}
 
@@ -143,26 +128,32 @@ def run(spec: dict) -> dict:
                                             "prompt_indices": list(dict.fromkeys(r["example_index"] for r in inputs))}
             return out
 
-    class StepClock(TrainerCallback):
-        """Per-step wall time; stops the run at the spec's time budget, but not before `min_steps`
-        optimizer steps (the learning bench's per-batch comparison); saves adapters off the clock."""
+    return TimedGRPOTrainer
 
+
+def step_clock(spec: dict, timed, steps: list[dict], adapters: list[dict], save_dir: Path | None):
+    """A callback that appends each step's wall time to `steps` (its rollout part from `timed`, the
+    trainer class), stops the run at the spec's time budget, but not before `min_steps` optimizer
+    steps (the learning bench's per-batch comparison), and saves adapters into `save_dir` off the clock."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.started = 0.0
             self.clock = 0.0
             self.budget_step: int | None = None  # the step during which the time budget ran out
 
         def on_step_begin(self, args, state, control, **kwargs):
-            TimedGRPOTrainer.rollout_seconds = 0.0
+            timed.rollout_seconds = 0.0
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             seconds = time.perf_counter() - self.started
             self.clock += seconds
-            rollout = TimedGRPOTrainer.rollout_seconds
+            rollout = timed.rollout_seconds
             steps.append({"step": state.global_step, "seconds": seconds, "rollout_seconds": rollout,
                           "train_seconds": seconds - rollout, "sync_seconds": 0.0, "verify_seconds": 0.0,
-                          "clock": self.clock, **TimedGRPOTrainer.batch_stats})
+                          "clock": self.clock, **timed.batch_stats})
             out_of_time = bool(spec.get("time_budget_s")) and self.clock >= spec["time_budget_s"]
             budget_ends = out_of_time and self.budget_step is None
             if budget_ends:
@@ -177,10 +168,29 @@ def run(spec: dict) -> dict:
             if stop:
                 control.should_training_stop = True
 
+    return StepClock()
+
+
+def run(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    setup_start = time.perf_counter()
+    train_set, _ = load_task_data(DataConfig(task=spec["task"], reward=spec["reward"]))
+    tokenizer = AutoTokenizer.from_pretrained(spec["base"])
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    lora = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=spec["targets"],
+                      task_type="CAUSAL_LM")
+    steps: list[dict] = []
+    adapters: list[dict] = []
+    timed = timed_trainer_class()
+    clock = step_clock(spec, timed, steps, adapters, Path(spec["save_dir"]) if spec.get("save_every") else None)
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    clock = StepClock()
-    trainer = TimedGRPOTrainer(
+    trainer = timed(
         model=model, processing_class=tokenizer, peft_config=lora,
         reward_funcs=reward_function(train_set, spec["reward"]),
         train_dataset=Dataset.from_list(ordered_rows(prompt_rows(train_set), spec.get("prompt_order"))),

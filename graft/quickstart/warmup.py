@@ -224,33 +224,13 @@ def sft_base_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-        losses = train_sft(
-            model,
-            tokenizer,
-            train,
-            steps=steps,
-            batch=batch,
-            lr=lr,
-            seed=seed,
-            target_accuracy=target_accuracy,
-            probe_accuracy=probe_accuracy,
-            progress=progress,
-        )
+        losses = train_sft(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed,
+                           target_accuracy=target_accuracy, probe_accuracy=probe_accuracy, progress=progress)
     seconds = time.perf_counter() - start
-    record = {
-        "hidden": hidden,
-        "layers": layers,
-        "steps": steps,
-        "batch": batch,
-        "lr": lr,
-        "seed": seed,
-        "task_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in task_kwargs.items()},
-        "target_accuracy": target_accuracy,
-        "steps_run": len(losses),
-        "probe_accuracy": probe_accuracy,
-        "train_seconds": round(seconds, 2),
-        "losses": [round(x, 5) for x in losses],
-    }
+    record = {"hidden": hidden, "layers": layers, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
+              "task_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in task_kwargs.items()},
+              "target_accuracy": target_accuracy, "steps_run": len(losses), "probe_accuracy": probe_accuracy,
+              "train_seconds": round(seconds, 2), "losses": [round(x, 5) for x in losses]}
     return save_base_model(out_dir, model, tokenizer, record)
 
 
