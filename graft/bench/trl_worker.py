@@ -78,8 +78,8 @@ def trl_arguments(spec: dict, output_dir: str, padded_length: int = 0, layer_wid
     shuffles its generation batch, graft has train.shuffle_mini_batches), one pass (num_iterations
     1), PPO clip 0.2, token-mean loss over the whole batch ("dapo" == graft's token-mean),
     group-std-normalised advantages ("group" == graft's normalize_adv_std), no KL (beta 0), fp32,
-    AdamW with torch's default weight decay (graft uses torch.optim.AdamW as is) and a constant
-    learning rate.
+    AdamW with weight decay 0.01 and a constant learning rate (graft's train.weight_decay and
+    train.lr_schedule defaults).
     Gradient checkpointing is off: graft does not checkpoint, and on a model this small TRL's
     default (on) would only make TRL slower.
     A mini-batch runs in micro-batches within graft's token budget at TRL's `padded_length` (prompt +

@@ -226,6 +226,14 @@ class TrainConfig(ObjectiveFields):
         None, ge=1, description="Sequences per forward/backward on one rank (gradients accumulate); null = all."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup over this many steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="The learning rate after the warmup, over the steps up to train.steps: 'constant' "
+        "(verl's default), 'linear' decay (TRL's default) or 'cosine' decay, to train.min_lr_ratio x train.lr "
+        "(Hugging Face's schedulers' values at every step after the warmup).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where 'linear' and 'cosine' decay to, as a fraction of "
+                                "train.lr (verl's min_lr_ratio; transformers' min_lr_rate).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay of the LoRA parameters "
+                                "(torch's and verl's default; TRL's is 0.0).")
     on_nonfinite: Literal["error", "skip"] = Field(
         "error", description="An optimizer step whose gradient norm is NaN/inf: 'error' stops the run with one "
         "line (nothing is published, the engines keep the last good version); 'skip' drops that step and "
@@ -236,6 +244,14 @@ class TrainConfig(ObjectiveFields):
     keep_checkpoints: int = Field(2, ge=0, description="Newest checkpoints kept on disk; 0 = all.")
     eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every N steps; 0 = before and after only.")
     eval_examples: int = Field(200, ge=1, description="Held-out examples used by each evaluation.")
+
+    @model_validator(mode="after")
+    def _check_decay(self) -> "TrainConfig":
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ConfigError(f"train.min_lr_ratio ({self.min_lr_ratio:g}) is set but train.lr_schedule is "
+                              "'constant': nothing decays to it; choose 'linear' or 'cosine'",
+                              keys=("train.min_lr_ratio", "train.lr_schedule"))
+        return self
 
 
 

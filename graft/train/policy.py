@@ -10,6 +10,7 @@ those announces its collective, and the other ranks, in `follow`, run the same c
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -51,9 +52,18 @@ def refuse_fresh_start_over_checkpoints(run_dir: Path) -> None:
 
 
 def learning_rate(config: GraftConfig, step: int) -> float:
-    """`train.lr` after a linear warmup over `train.warmup_steps` steps."""
-    warmup = config.train.warmup_steps
-    return config.train.lr * (min(1.0, step / warmup) if warmup else 1.0)
+    """The learning rate of optimizer step `step` (from 1): `train.lr` x step / `train.warmup_steps`
+    during the warmup, then `train.lr_schedule`'s decay to `train.min_lr_ratio` x `train.lr`. The decay
+    is Hugging Face's `get_scheduler` (linear, cosine, cosine_with_min_lr) at its step `step - 1`, so a
+    run set as a TRL one learns at the same rates (tests/train/test_policy.py holds them side by side);
+    the last step's rate is above the floor, as there: no step is taken at a rate of 0."""
+    train = config.train
+    if step <= train.warmup_steps:
+        return train.lr * step / train.warmup_steps
+    progress = (step - 1 - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    decayed = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}
+    floor = train.min_lr_ratio
+    return train.lr * (floor + (1.0 - floor) * max(0.0, decayed[train.lr_schedule]))
 
 
 class PolicyState:
@@ -81,7 +91,8 @@ class PolicyState:
         # LoRA weights gathered after each step (a LoRA-only gather) plus collectives for the rest.
         self._lora: dict[str, torch.Tensor] = {}
         self.source: PolicySource = ShardedSource(self.model, self._lora) if ctx.active else ModelSource(self.model)
-        self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr)
+        self.optimizer = torch.optim.AdamW(lora_parameters(self.model).values(), lr=config.train.lr,
+                                           weight_decay=config.train.weight_decay)
         self.version = 0
         if resume:  # a fresh start over checkpoints is refused by the caller, before it writes anything
             self._resume()
@@ -109,8 +120,8 @@ class PolicyState:
         self._announce(Op.LEARN, step)
         batch = broadcast_batch(batch, self.ctx)
         lr = learning_rate(self.config, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # the config's, also over a resumed checkpoint's
+            group.update(lr=lr, weight_decay=self.config.train.weight_decay)
         metrics = policy_update(self.model, self.optimizer, batch, self.config.train, self.pad_id, self.ctx, step)
         self._gather_for_publishing()
         self.version = step

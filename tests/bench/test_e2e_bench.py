@@ -62,7 +62,8 @@ def test_trl_arguments_match_graft_settings(base_dir):
     assert args["loss_type"] == "dapo" and config.train.loss_agg == "token-mean"
     assert args["scale_rewards"] == "group" and config.train.normalize_adv_std
     assert not args["bf16"] and config.model.dtype == "float32" and not args["gradient_checkpointing"]
-    assert args["lr_scheduler_type"] == "constant" and config.train.warmup_steps == 0
+    assert args["lr_scheduler_type"] == config.train.lr_schedule == "constant" and config.train.warmup_steps == 0
+    assert args["weight_decay"] == config.train.weight_decay
     assert (spec["rank"], spec["alpha"], spec["targets"]) == (config.lora.rank, config.lora.alpha,
                                                                config.lora.target_modules)
     assert config.rollout.max_staleness == 0 and config.train.mini_batches == 1

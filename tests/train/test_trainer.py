@@ -100,14 +100,15 @@ def test_resume_after_step_k_repeats_the_uninterrupted_run(base_dir, tmp_path, p
     overrides = [f"model.path={base_dir}", "model.dtype=float32", "rollout.engine=reference", "train.batch_prompts=2",
                  parity_reward,
                  "rollout.n_samples=3", "rollout.max_new_tokens=4", "train.kl_coef=0.01", "train.lr=5e-3",
-                 "lora.rank=4", "train.eval_examples=2", "train.checkpoint_every=1", "train.warmup_steps=3", *extra]
+                 "lora.rank=4", "train.eval_examples=2", "train.checkpoint_every=1", "train.warmup_steps=3",
+                 "train.lr_schedule=cosine", "train.min_lr_ratio=0.2", *extra]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     asyncio.run(train(load_config(None, [*overrides, "train.steps=5"]), whole))
     asyncio.run(train(load_config(None, [*overrides, "train.steps=2"]), parts))
     result = asyncio.run(train(load_config(None, [*overrides, "train.steps=5"]), parts, resume=True))
     assert result["resumed_from"] == 2 and result["accuracy_before"] is not None  # kept from the first part
     expected, got = _rows(whole), _rows(parts)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5] and [r["lr"] for r in got] == [r["lr"] for r in expected]
     for want, have in zip(expected[2:], got[2:]):
         for key in _COMPARED:
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (have["step"], key)
