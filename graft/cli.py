@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from graft.config import load_config
     from graft.train.trainer import train
 
-    config = load_config(args.config, args.override)
+    config = _resumed_config(args) if args.resume else load_config(args.config, args.override)
     result = asyncio.run(train(config, Path(args.run_dir), resume=args.resume))
     if not result:  # ranks > 0 of a torchrun launch: rank 0 reports
         return
@@ -86,6 +86,22 @@ def cmd_train(args: argparse.Namespace) -> None:
     before = "n/a (resumed)" if result["accuracy_before"] is None else f"{result['accuracy_before']:.1%}"
     print(f"held-out accuracy {before} -> {result['accuracy_after']:.1%} after {result['steps']} steps; "
           f"metrics {run_dir / 'metrics.jsonl'}, plot {run_dir / 'reward.png'}, TensorBoard {run_dir / 'tensorboard'}")
+
+
+def _resumed_config(args: argparse.Namespace):
+    """CONFIG, else the resumed run's own saved one (`graft.config.loading.resumed_config`); rank 0
+    names the settings that differ from the run's (a resumed run that silently learned at another rate,
+    or for more steps, is hard to explain afterwards)."""
+    from graft.config import load_config
+    from graft.config.loading import changed_settings, resumed_config
+
+    config, saved = resumed_config(args.run_dir, args.config, args.override), Path(args.run_dir) / "config.yaml"
+    if saved.is_file() and os.environ.get("RANK", "0") == "0":
+        changes = changed_settings(load_config(saved), config)
+        if changes:
+            print(f"graft: resuming {args.run_dir} with settings other than its config.yaml's: {'; '.join(changes)}",
+                  file=sys.stderr)
+    return config
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -261,7 +277,8 @@ def _add_train_command(sub) -> None:
                                    "-m graft.cli train ...` the model is sharded with FSDP2 over N ranks.")
     _add_config_arguments(p, "train.steps=10")
     p.add_argument("--run-dir", default="runs/train", help="run directory (default runs/train)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR, with "
+                   "RUN_DIR/config.yaml (the run's own settings) where no CONFIG is given")
     p.set_defaults(func=cmd_train)
 
 

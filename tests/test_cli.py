@@ -173,6 +173,33 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(base_di
     assert main([*common, "--resume"]) == 0
 
 
+def test_resume_without_a_config_goes_on_with_the_run_s_own_and_names_what_o_changes(base_dir, tmp_path, capsys):
+    """`graft train --run-dir D --resume -o train.steps=3`: D's config.yaml (lora.rank 4, its batch) with the
+    one override, named on stderr; a CONFIG given at resume that differs is named the same way."""
+    import yaml
+
+    run = tmp_path / "run"
+    first = ["-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "-o", "lora.rank=4",
+             "-o", "train.batch_prompts=2", "-o", "rollout.n_samples=2", "-o", "rollout.max_new_tokens=2",
+             "-o", "train.eval_examples=2", "-o", "train.steps=1", "--run-dir", str(run)]
+    assert main(["train", *first]) == 0
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), "--resume", "-o", "train.steps=2"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"graft: resuming {run} with settings other than its config.yaml's: train.steps: 1 -> 2"]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["lora"]["rank"] == 4 and saved["train"]["steps"] == 2
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    config = tmp_path / "other.yaml"
+    config.write_text(f"model:\n  path: {base_dir}\nrollout:\n  engine: reference\n")
+    assert main(["train", str(config), "--run-dir", str(run), "--resume", "-o", "train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "lora.rank: 4 -> 8" in err[0] and "train.batch_prompts: 2 -> 8" in err[0]
+    assert err[-1].startswith("graft: error: --resume: no checkpoint") and "loads" in err[-1]  # rank 4, not 8
+    assert yaml.safe_load((run / "config.yaml").read_text()) == saved  # the refused resume changed nothing
+
+
 def _bounded(kind) -> bool:
     """Whether `kind` is an argparse type made by `graft.config.arguments.at_least`."""
     return hasattr(kind, "minimum")

@@ -169,3 +169,23 @@ def config_to_yaml(cfg: GraftConfig) -> str:
 def save_config(cfg: GraftConfig, path: str | Path) -> None:
     """Write `cfg` as YAML atomically, so a crash never leaves a half-written config in a run dir."""
     atomic_write_text(path, config_to_yaml(cfg))
+
+
+def resumed_config(run_dir: str | Path, path: str | Path | None, overrides: Sequence[str]) -> GraftConfig:
+    """The config `graft train --resume` continues with: CONFIG where one is given, else the one the
+    run being resumed saved (RUN_DIR/config.yaml, every value resolved), so that `graft train
+    --run-dir D --resume [-o train.steps=40]` goes on as D was set, as verl and TRL runs resume from
+    their own saved state; `-o` overrides apply on top either way.
+
+    Raises:
+        ConfigError: as `load_config`.
+    """
+    saved = Path(run_dir) / "config.yaml"
+    return load_config(path if path is not None or not saved.is_file() else saved, overrides)
+
+
+def changed_settings(before: GraftConfig, after: GraftConfig) -> list[str]:
+    """`section.key: old -> new` for each setting `after` holds other than `before`, in declaration order."""
+    old, new = before.model_dump(mode="json"), after.model_dump(mode="json")
+    return [f"{section}.{key}: {old[section].get(key)!r} -> {value!r}"
+            for section, keys in new.items() for key, value in keys.items() if old[section].get(key) != value]

@@ -242,10 +242,10 @@ async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
             torch.manual_seed(config.train.seed)
             if not resume:  # every rank, before anything is written: a refused start changes nothing
                 refuse_fresh_start_over_checkpoints(run_dir)
-            if ctx.is_main:
-                save_config(config, run_dir / "config.yaml")
             task = load_train_task(config)
             policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
+            if ctx.is_main:  # once a resume loaded: a refused one leaves the run's config.yaml as it was
+                save_config(config, run_dir / "config.yaml")
             if not ctx.is_main:
                 policy.follow()  # the collectives rank 0 announces: updates, checkpoints, the sync's reads
                 return {}
