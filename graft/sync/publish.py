@@ -44,6 +44,8 @@ _HASH_THREADS = min(8, os.cpu_count() or 1)
 _VERSION_RE = re.compile(r"^(?P<kind>[a-z]+)-v(?P<version>\d{6,})$")
 # Temporaries of atomic_dir / atomic_write_text: ".<target name>.tmp-*" and ".<target name>.old-*".
 _TEMP_RE = re.compile(r"^\.(?P<kind>[a-z]+)-v(?P<version>\d{6,})(?:\.ready)?\.(?:tmp|old)-")
+# `load_path`'s links: ".<version dir name>.load-<digest of its files>".
+_LINK_RE = re.compile(r"^\.(?P<kind>[a-z]+)-v(?P<version>\d{6,})\.load-[0-9a-f]+$")
 
 
 class PublishError(ValueError):
@@ -139,6 +141,28 @@ class WeightPublisher:
             self.garbage_collect(kind, protect)
         return published
 
+    def load_path(self, published: PublishedVersion) -> Path:
+        """A path to `published`'s directory that names its contents: a link beside it,
+        `.adapter-v000007.load-<digest of its files' sha256>`, made once.
+
+        Why: a vLLM keys the prefix-cache blocks an adapter computed by the adapter's name and the
+        path it was loaded from (vLLM #42125), and a version number comes back with other weights
+        where a run resumes (it publishes again what a killed run had published after its
+        checkpoint, under the same names and directories). Loaded through this path, those weights
+        are another key on any server, and the same weights keep theirs. (The servers graft starts
+        key blocks by the load as well: `graft.rollout.vllm.server.versions`.) The link goes with its
+        version (`garbage_collect`, `discard_from`).
+        """
+        files = sorted((name, entry.sha256) for name, entry in published.files.items())
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+        link = self.root / f".{published.path.name}.load-{digest}"
+        try:
+            os.symlink(published.path.name, link, target_is_directory=True)  # relative: the root may move
+        except FileExistsError:
+            return link
+        fsync_dir(self.root)
+        return link
+
     def versions(self, kind: str) -> list[PublishedVersion]:
         """Complete versions of `kind` (a `.ready` that parses), ascending. Hashes are not checked."""
         found = (_try_read_manifest(self.root, kind, v) for v in _ready_versions(self.root, kind))
@@ -173,6 +197,11 @@ class WeightPublisher:
             if temp and temp["kind"] == kind and int(temp["version"]) <= newest:
                 stale_dirs.append(Path(entry.path))
                 continue
+            link = _LINK_RE.match(entry.name)
+            if link and link["kind"] == kind and (int(link["version"]) in removed
+                                                  or int(link["version"]) not in complete_set):
+                stale_ready.append(Path(entry.path))  # before its directory goes
+                continue
             base = entry.name.removesuffix(READY_SUFFIX)
             m = _VERSION_RE.match(base)
             if not m or m["kind"] != kind:
@@ -189,11 +218,13 @@ class WeightPublisher:
         again; what an interrupted run published after its checkpoint is not the resumed policy)."""
         doomed = [pv.version for pv in self.versions(kind) if pv.version >= version]
         names = [version_dir_name(kind, v) for v in doomed]
-        self._remove([self.root / (n + READY_SUFFIX) for n in names], [self.root / n for n in names])
+        links = [link for n in names for link in self.root.glob(f".{n}.load-*")]
+        self._remove([*links, *(self.root / (n + READY_SUFFIX) for n in names)], [self.root / n for n in names])
         return doomed
 
     def _remove(self, manifests: list[Path], dirs: list[Path]) -> None:
-        """Manifests first, made durable, then the files: a reader never sees a manifest without them."""
+        """Manifests (and links) first, made durable, then the files: a reader never sees a manifest
+        without them."""
         for path in manifests:
             path.unlink(missing_ok=True)
         if manifests:

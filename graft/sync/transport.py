@@ -78,12 +78,13 @@ class DiskTransport:
         published = await asyncio.to_thread(
             self.publisher.publish, KIND, version, step,
             lambda tmp: write_adapter_files(weights.converted(), weights.config, tmp), protect=set(protect))
+        path = await asyncio.to_thread(self.publisher.load_path, published)  # named by the weights (its docstring)
 
         async def load(engine: RolloutEngine, name: str) -> None:
             # The files the engine is about to read still match their manifest (size and sha256; one
             # read of a few MiB): a version changed on a shared filesystem is never loaded.
             await asyncio.to_thread(read_version, self.publisher.root, KIND, version)
-            await engine.load_adapter(name, str(published.path))
+            await engine.load_adapter(name, str(path))
 
         return Prepared(published.bytes, load)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+from pathlib import Path
+
 import pytest
 
 from graft.rollout.engine import GenerateRequest, SamplingParams
@@ -46,7 +48,7 @@ def test_names_come_from_lora_name_and_other_adapters_are_not_counted(tmp_path, 
         assert current_adapter(sync) is None and sync.current_version is None
         result = await sync.sync(peft_model, 1, step=10)
         assert result.adapter == current_adapter(sync) == "policy.a-v1" and sync.current_version == 1
-        assert engine.adapters["policy.a-v1"] == str(publisher.latest("adapter").path)
+        assert Path(engine.adapters["policy.a-v1"]).resolve() == publisher.latest("adapter").path
         assert (result.mode, result.version, result.engine_adapters_loaded) == ("adapter", 1, 1)
         assert result.bytes == publisher.latest("adapter").bytes > 0
         assert result.seconds >= result.publish_seconds + result.apply_seconds

@@ -225,6 +225,23 @@ def test_gc_removes_crash_leftovers_older_than_newest(tmp_path):
     )
 
 
+def test_load_paths_name_the_weights_and_go_with_their_versions(tmp_path):
+    """A version published again with other weights (a resumed run) loads through another path, the
+    same weights through the same one; links leave with their versions (retention and discard)."""
+    pub = WeightPublisher(tmp_path, keep_versions=2)
+    first = pub.load_path(pub.publish("adapter", 1, 1, _writer(_small(1))))
+    assert first.parent == tmp_path and first.resolve() == tmp_path / "adapter-v000001"
+    assert json.loads((first / "adapter_config.json").read_text()) == {}
+    assert pub.discard_from("adapter", 1) == [1] and _hidden(tmp_path) == []
+    again = pub.publish("adapter", 1, 1, _writer(_small(7)))  # version 1 again, other bytes
+    other = pub.load_path(again)
+    assert other != first and other.resolve() == again.path and pub.load_path(again) == other
+    for v in (2, 3):
+        pub.load_path(pub.publish("adapter", v, v, _writer(_small(v))))
+    assert [link.resolve().name for link in map(tmp_path.joinpath, _hidden(tmp_path))] == \
+        ["adapter-v000002", "adapter-v000003"]  # version 1's link went with it
+
+
 def test_new_publisher_on_same_root_sees_versions_and_continues(tmp_path):
     first = WeightPublisher(tmp_path, keep_versions=3)
     published = [first.publish("adapter", v, step=10 * v, write=_writer(_small(v))) for v in range(1, 5)]

