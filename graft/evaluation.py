@@ -9,6 +9,7 @@ fraction answered right. Used by the trainer (before, during and after a run) an
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,13 @@ from pathlib import Path
 from graft.config import GraftConfig
 from graft.lora.adapter_io import read_adapter_config
 from graft.models.loading import load_tokenizer
-from graft.rollout.engine import AdapterAlreadyLoadedError, GenerateRequest, RolloutEngine, SamplingParams
+from graft.rollout.engine import (
+    AdapterAlreadyLoadedError,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    UnknownAdapterError,
+)
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.guard import check_finite_adapter_dir
@@ -60,15 +67,46 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     tokenizer = load_tokenizer(config.model.path)
     start = time.perf_counter()
     path = str(Path(adapter_dir).resolve()) if adapter_dir is not None else None
-    async with (open_engine(config, run_dir, syncs=False) as engine,  # eval reloads no weights
-                loaded_adapter(engine, f"{config.lora.name}-{EVAL_ADAPTER_SUFFIX}", path) as adapter):
-        if env is not None:  # multi-turn: the mean reward of greedy episodes
-            accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
-                                               config.rollout.max_new_tokens, EpisodeLimits.of(config))
-        else:
-            accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens, scorer)
+    name = eval_adapter_name(config.lora.name, path) if path is not None else None
+    async with open_engine(config, run_dir, syncs=False) as engine:  # eval reloads no weights
+        if name is not None:
+            await _unload_earlier_evaluations(engine, config.lora.name, name)
+        async with loaded_adapter(engine, name, path) as adapter:
+            if env is not None:  # multi-turn: the mean reward of greedy episodes
+                accuracy = await evaluate_episodes(engine, adapter, env, examples, tokenizer,
+                                                   config.rollout.max_new_tokens, EpisodeLimits.of(config))
+            else:
+                accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens,
+                                          scorer)
     return {"accuracy": accuracy, "examples": len(examples), "adapter": str(adapter_dir) if adapter_dir else None,
             "model": config.model.path, "seconds": time.perf_counter() - start}
+
+
+def eval_adapter_name(lora_name: str, adapter_dir: str | Path) -> str:
+    """`<lora.name>-eval-<digest of the adapter's files>`: an adapter evaluated is named by its weights.
+
+    Why not one name for every evaluation: a vLLM keys the prefix-cache blocks an adapter computed by
+    its name (0.20) or its name and path (0.32) and keeps them after an unload, so on a server graft
+    did not start the next adapter evaluated under that name (or the same directory trained further)
+    was served the earlier one's KV for the held-out prompts they share. (The servers graft starts key
+    blocks by the load: `graft.rollout.vllm.server.versions`.)
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(adapter_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return f"{lora_name}-{EVAL_ADAPTER_SUFFIX}-{digest.hexdigest()[:16]}"
+
+
+async def _unload_earlier_evaluations(engine: RolloutEngine, lora_name: str, name: str) -> None:
+    """Unload the adapters a killed `graft eval` with this `lora.name` left loaded (but `name`, which
+    `loaded_adapter` loads again): each would hold one of the server's adapter slots."""
+    prefix = f"{lora_name}-{EVAL_ADAPTER_SUFFIX}-"
+    for leftover in [n for n in await engine.list_adapters() if n.startswith(prefix) and n != name]:
+        with contextlib.suppress(UnknownAdapterError):  # gone meanwhile
+            await engine.unload_adapter(leftover)
 
 
 @contextlib.asynccontextmanager

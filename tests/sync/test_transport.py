@@ -4,7 +4,6 @@ refusing the memory route moves the run to disk once, with nothing left loaded t
 
 import logging
 import os
-
 from pathlib import Path
 
 import pytest
