@@ -110,16 +110,23 @@ class _Leader:
             self.log.add_eval(train.steps, await self._evaluate())
             await sync.close()
         except BaseException:
+            await self._stop_checking()
             await self._leave_last_good_served()
             raise
         finally:
-            if self._checking is not None:  # the run failed with a check pending: nobody reads it
-                self._checking.check.add_done_callback(lambda check: check.cancelled() or check.exception())
-                self._checking.check.cancel()
             self.log.close()
             self._model_thread.shutdown(wait=True)  # a check's snapshot read restores the model before we return
         return {"accuracy_before": self.log.accuracy_at(0), "accuracy_after": self.log.accuracy_at(train.steps),
                 "steps": train.steps, "resumed_from": first_step - 1}
+
+    async def _stop_checking(self) -> None:
+        """A run that did not finish ends its running delivery check before it unloads: the check would
+        probe a version the unload removes, and its error (the version "does not exist") came out of
+        a SIGTERM'd run as a traceback of a task nobody read."""
+        pending, self._checking = self._checking, None
+        if pending is not None:
+            pending.check.cancel()
+            await asyncio.gather(pending.check, return_exceptions=True)
 
     async def _leave_last_good_served(self) -> None:
         """A run that did not finish (an error, Ctrl-C, SIGTERM) leaves its last good version served,
@@ -182,8 +189,9 @@ class _Leader:
         pending = self._checking
         if pending is None or (through is not None and pending.version > through):
             return
+        checked = await pending.check  # still `_checking` while it runs: a run that stops ends it (`_stop_checking`)
         self._checking = None
-        self.log.write(pending.row(await pending.check))
+        self.log.write(pending.row(checked))
 
     async def _evaluate(self) -> float:
         """Held-out accuracy (or mean episode reward) of the policy's current version."""
