@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -92,15 +93,15 @@ def _resumed_config(args: argparse.Namespace):
     """CONFIG, else the resumed run's own saved one (`graft.config.loading.resumed_config`); rank 0
     names the settings that differ from the run's (a resumed run that silently learned at another rate,
     or for more steps, is hard to explain afterwards)."""
-    from graft.config import load_config
+    from graft.config import ConfigError, load_config
     from graft.config.loading import changed_settings, resumed_config
 
     config, saved = resumed_config(args.run_dir, args.config, args.override), Path(args.run_dir) / "config.yaml"
     if saved.is_file() and os.environ.get("RANK", "0") == "0":
-        changes = changed_settings(load_config(saved), config)
-        if changes:
-            print(f"graft: resuming {args.run_dir} with settings other than its config.yaml's: {'; '.join(changes)}",
-                  file=sys.stderr)
+        with contextlib.suppress(ConfigError):  # a config.yaml an older graft wrote: CONFIG alone decides
+            if changes := changed_settings(load_config(saved), config):
+                print(f"graft: resuming {args.run_dir} with settings other than its config.yaml's: "
+                      f"{'; '.join(changes)}", file=sys.stderr)
     return config
 
 
