@@ -252,11 +252,10 @@ async def _train(config: GraftConfig, run_dir: Path, resume: bool) -> dict:
                 refuse_fresh_start_over_checkpoints(run_dir)
             task = load_train_task(config)
             policy = PolicyState(config, run_dir, ctx, task.tokenizer.pad_token_id, resume)
-            if ctx.is_main:  # once a resume loaded: a refused one leaves the run's config.yaml as it was
-                save_config(config, run_dir / "config.yaml")
             if not ctx.is_main:
                 policy.follow()  # the collectives rank 0 announces: updates, checkpoints, the sync's reads
                 return {}
+            save_config(config, run_dir / "config.yaml")  # once a resume loaded: a refused one leaves it as it was
             async with open_engine(config, run_dir) as engine:
                 result = await _Leader(config, run_dir, policy, task, engine).run()
             policy.release_followers()
