@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. temperature 0 means greedy; `seed` makes sampling repeatable per request."""
+    """How to sample. temperature 0 means greedy; `seed` makes sampling repeatable per request;
+    `top_k` 0 keeps every token; a token of `stop_token_ids` ends a sample as end-of-sequence does."""
 
     n: int = 1
     temperature: float = 1.0
@@ -23,11 +24,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
             raise ValueError(f"n and max_new_tokens must be >= 1 "
                              f"(got n={self.n}, max_new_tokens={self.max_new_tokens})")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no top-k), got {self.top_k}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature must be >= 0 and top_p in (0, 1] (got {self.temperature}, {self.top_p})")
 

@@ -13,7 +13,7 @@ Semantics copied from vLLM (v1) so results are comparable:
 - Sample j of a request with `seed` uses a generator seeded with `seed + j` (vLLM seeds the j-th
   child of an n > 1 request so); without a seed the generator is seeded from OS entropy.
 - eos = the tokenizer's eos id plus the generation config's `eos_token_id`s; `ignore_eos` ignores
-  them all. A sample ending on eos keeps the eos token (and its log-prob) in `token_ids`, but its
+  them (not the request's `stop_token_ids`, which end a sample as eos does, as in vLLM). A sample ending on eos keeps the eos token (and its log-prob) in `token_ids`, but its
   text leaves it out. A stop string ends the sample as soon as the decoded text contains it; the
   token that completed it stays in `token_ids` and `text` is cut before the stop string. Both
   finish with "stop"; reaching `max_new_tokens` otherwise finishes with "length".
@@ -60,16 +60,21 @@ ADDRESS = "in-process"
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures under it mean greedy
 
 
-def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                 top_k: int = 0) -> int:
     """One token id from raw logits: argmax when temperature < 1e-5, else a draw from
-    softmax(logits / temperature) restricted to the top-p nucleus.
+    softmax(logits / temperature) restricted to the `top_k` most probable tokens (0: all), then to
+    the top-p nucleus of those (vLLM's order).
 
     The nucleus is the most probable tokens, in order, up to and including the first one at which
     their mass reaches `top_p`; the top token is always kept, so a tiny top_p is greedy.
     """
     if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits_V))
-    probs_V = torch.softmax(logits_V.float() / temperature, dim=-1)
+    logits_V = logits_V.float()
+    if 0 < top_k < logits_V.numel():
+        logits_V = logits_V.masked_fill(logits_V < torch.topk(logits_V, top_k).values[-1], float("-inf"))
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
     if top_p < 1.0:
         sorted_V, order_V = probs_V.sort(descending=True)
         mass_before_V = sorted_V.cumsum(0) - sorted_V
@@ -185,10 +190,10 @@ class ReferenceEngine:
         text_len = 0
         while True:
             logits_V = out.logits[0, -1]
-            token = sample_token(logits_V, params.temperature, params.top_p, generator)
+            token = sample_token(logits_V, params.temperature, params.top_p, generator, params.top_k)
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(logits_V.float(), dim=-1)[token]))
-            if token in self._eos_ids and not params.ignore_eos:
+            if token in params.stop_token_ids or (token in self._eos_ids and not params.ignore_eos):
                 return Completion(tuple(tokens), tuple(logprobs), "stop", self._decode(tokens[:-1]))
             if params.stop:
                 text = self._decode(tokens)

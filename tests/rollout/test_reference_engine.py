@@ -169,6 +169,25 @@ def test_sample_token_draws_from_the_tempered_nucleus():
     assert sample_token(logits_V, 0.0, 0.5, generator) == 0
 
 
+def test_top_k_keeps_the_k_most_probable_tokens():
+    logits_V = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    generator = torch.Generator().manual_seed(0)
+    draws = {sample_token(logits_V, 2.0, 1.0, generator, top_k=2) for _ in range(400)}
+    assert draws == {0, 1}
+    assert {sample_token(logits_V, 2.0, 1.0, generator, top_k=0) for _ in range(400)} == set(range(5))
+
+
+def test_a_stop_token_id_ends_the_sample_even_with_ignore_eos(dirs, prompt):
+    engine = ReferenceEngine(dirs["base"])
+    tokens = list(generate(engine, GREEDY, prompt)[0].token_ids)
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=(tokens[k],))
+    [stopped] = generate(engine, params, prompt)
+    assert list(stopped.token_ids) == tokens[:k + 1] and stopped.finish_reason == "stop"
+    top1 = SamplingParams(n=2, temperature=1.0, top_k=1, max_new_tokens=16, seed=4)
+    assert generate(engine, top1, prompt) == generate(engine, GREEDY, prompt) * 2
+
+
 def test_eos_stops_with_stop_unless_ignore_eos(dirs, prompt, tmp_path):
     """Greedy text of a random model rarely reaches <|im_end|>, so declare one of the tokens greedy
     does emit an eos id in the generation config (as Qwen configs list several eos ids)."""

@@ -26,7 +26,8 @@ differ, so the files and commits are named here (the recordings confirmed them, 
   and `python/sglang/srt/lora/lora_registry.py` @ 0270cffc14bfddbaa85d1c844d584feb47951abf: the
   adapter error messages ("... because it is already loaded", "LoRA with name X does not exist").
 - `python/sglang/srt/sampling/sampling_params.py` @ 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03:
-  `temperature`, `top_p`, `max_new_tokens`, `stop`, `n`, `ignore_eos`, `sampling_seed`.
+  `temperature`, `top_p`, `top_k`, `max_new_tokens`, `stop`, `stop_token_ids`, `n`, `ignore_eos`,
+  `sampling_seed`.
 
 Behaviours of SGLang this client accounts for:
 - SGLang selects a LoRA by its loaded *name*, passed as `lora_path` in `/generate`.
@@ -81,6 +82,10 @@ def build_generate_payload(request: GenerateRequest, adapter: str | None) -> dic
                                 "max_new_tokens": p.max_new_tokens, "ignore_eos": p.ignore_eos}
     if p.stop:
         sampling["stop"] = list(p.stop)
+    if p.top_k:
+        sampling["top_k"] = p.top_k
+    if p.stop_token_ids:
+        sampling["stop_token_ids"] = list(p.stop_token_ids)
     prompt = list(request.prompt_token_ids)
     payload: dict[str, Any] = {"input_ids": prompt, "return_logprob": True}
     if p.n == 1:

@@ -61,10 +61,15 @@ from graft.rollout.vllm.server.lora_memory import ROUTE as MEMORY_ROUTE
 def completion_payload(request: GenerateRequest, model: str) -> dict:
     """The `/v1/completions` body for one request."""
     p = request.params
-    return {"model": model, "prompt": list(request.prompt_token_ids), "n": p.n,
-            "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens,
-            "stop": list(p.stop), "seed": p.seed, "ignore_eos": p.ignore_eos,
-            "logprobs": 1, "return_token_ids": True}
+    payload = {"model": model, "prompt": list(request.prompt_token_ids), "n": p.n,
+               "temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_new_tokens,
+               "stop": list(p.stop), "seed": p.seed, "ignore_eos": p.ignore_eos,
+               "logprobs": 1, "return_token_ids": True}
+    if p.top_k:
+        payload["top_k"] = p.top_k
+    if p.stop_token_ids:
+        payload["stop_token_ids"] = list(p.stop_token_ids)
+    return payload
 
 
 def parse_completions(body: dict, n: int, address: str = "") -> list[Completion]:
