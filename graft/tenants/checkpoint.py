@@ -5,7 +5,14 @@ read. The directory is a plain PEFT adapter (`adapter_model.safetensors`, `adapt
 `peft.PeftModel.from_pretrained` and vLLM load it as it is) with `optimizer.safetensors` beside it:
 each LoRA tensor's AdamW moments and step count under `<PEFT key>.<exp_avg|exp_avg_sq|step>`, so
 that training resumes exactly (the next step equals the one an uninterrupted run takes). Nothing is
-pickled; the directory appears whole or not at all (graft.atomic).
+pickled.
+
+A save killed at any instant leaves the previous complete state at the path or the new one, never a
+half-written one, and never nothing once a save has finished: the state is filled in a hidden
+sibling `.<name>.tmp-*`, fsynced, and exchanged with the old one in one step (graft.atomic.atomic_dir;
+Linux `renameat2`, where graft.atomic documents its fallback). The hidden siblings killed saves leave
+are removed by `graft.atomic.sweep_temporaries` at the service's start. Tested with real processes
+SIGKILLed mid-save in tests/tenants/test_checkpoint_crash.py.
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ class CheckpointError(ValueError):
 
 def save_tenant(policy: TenantPolicy, tenant: str, out_dir: Path, *, overwrite: bool = False) -> Path:
     """Write `tenant`'s adapter (fp32, as trained) and optimizer state to `out_dir`; run it where the
-    model is not being changed (the service's model thread)."""
+    model is not being changed (the service's model thread). With `overwrite`, an existing state is
+    replaced in one step: a crash leaves the old state or the new one at `out_dir`.
+
+    Raises:
+        ValueError: `out_dir` holds files and `overwrite` is False.
+    """
     params = policy.parameters(tenant)
     optimizer = policy.optimizer(tenant)
     moments = {}
