@@ -17,8 +17,9 @@ Shape suffixes: see graft/__init__.py.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import peft
@@ -29,7 +30,7 @@ from graft.config import ALL_LINEAR
 from graft.lora.routing import BASE_ONLY, routed
 from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
 from graft.sync.source import eval_mode
-from graft.tenants.losses import LOSSES
+from graft.tenants.losses import LOSSES, LossConfigError, loss_config
 from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 
 PASS_TOKENS = 4096  # padded tokens per forward pass (rows x longest row); more go in further passes
@@ -176,19 +177,23 @@ class TenantPolicy:
         self._require(tenant)
         return self._optimizers[tenant]
 
-    def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True) -> list[DatumResult]:
+    def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True,
+                         config: Mapping[str, float] | None = None) -> list[DatumResult]:
         """One forward and backward over `datums` of any tenants together; each tenant's gradients
         accumulate (until its `optim_step`) from its own datums' `loss` only. `backward=False`: the
-        losses and log-probs alone, no gradients.
+        losses and log-probs alone, no gradients. `config`: the loss's `loss_fn_config` (its keys'
+        defaults for the rest, graft.tenants.losses.loss_config).
 
         Datums past `pass_tokens` padded tokens go in further passes, each with its own backward:
         losses are sums, so the gradients are the same (up to float summation order), and memory
         stays bounded (one pass over 128 SmolLM2-135M rows of 46 tokens held ~10 GB of activations).
 
         Raises:
-            TenantError: an unknown tenant or loss, or a datum without the loss's inputs.
+            TenantError: an unknown tenant or loss, a config the loss does not take, or a datum without
+                the loss's inputs.
         """
-        losses_fn, needs = self._check(datums, loss)
+        losses_fn, needs, filled = self._check(datums, loss, config)
+        losses_fn = functools.partial(losses_fn, config=filled)  # `_pass` calls it as (logprobs_C, inputs)
         results = []
         device = next(self.model.parameters()).device
         with update_memory_cached(host_memory_mode("auto", device)):  # as the trainer's update
@@ -259,12 +264,16 @@ class TenantPolicy:
         if tenant not in self.tenants:
             raise TenantError(f"unknown tenant {tenant!r} (tenants: {', '.join(self.tenants) or 'none'})")
 
-    def _check(self, datums: Sequence[Datum], loss: str):
+    def _check(self, datums: Sequence[Datum], loss: str, config: Mapping[str, float] | None = None):
         if loss not in LOSSES:
             raise TenantError(f"unknown loss {loss!r} (losses: {', '.join(LOSSES)})")
+        try:
+            filled = loss_config(loss, config)
+        except LossConfigError as error:
+            raise TenantError(str(error)) from None
         if not datums:
             raise TenantError("forward_backward needs at least one datum")
-        losses_fn, needs = LOSSES[loss]
+        losses_fn, needs, _ = LOSSES[loss]
         for index, datum in enumerate(datums):
             self._require(datum.tenant)
             if len(datum.tokens) < 2:
@@ -273,7 +282,7 @@ class TenantPolicy:
                 if len(datum.inputs.get(key, ())) != len(datum.tokens) - 1:
                     raise TenantError(f"datum {index}: loss {loss!r} needs {key!r} with one value per scored "
                                       f"position ({len(datum.tokens) - 1}), got {len(datum.inputs.get(key, ()))}")
-        return losses_fn, needs
+        return losses_fn, needs, filled
 
     def _layout(self, datums: Sequence[Datum], names: list[str]):
         """The right-padded batch: ids, attention mask, the positions scored, each token's adapter."""
