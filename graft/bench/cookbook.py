@@ -6,8 +6,9 @@ smallest RL example: "What is x + y?" with a few-shot prefix, reward 1 for the r
 unchanged, one process per tenant, all started together against one service: one vLLM server (each
 tenant's versions served as `<tenant>-v<N>`, delivery-verified), one base in the trainer, the
 tenants' forward_backward passes batched together. Settings the recipe takes on its command line:
-`loss_fn=importance_sampling` (the default `stable_reinforce` needs server-side provenance graft does
-not record), `renderer_name=role_colon` (plain "User:/Assistant:" text, fitting any tokenizer).
+`loss_fn=importance_sampling` (`--loss-fn`: any of the SDK's RL losses; the recipe's default
+`stable_reinforce` needs server-side provenance graft does not record), `renderer_name=role_colon`
+(plain "User:/Assistant:" text, fitting any tokenizer).
 
 The cookbook runs in graft's virtualenv (its `tinker` SDK, torch, transformers, datasets) with its
 own package and the few pure-Python packages it needs beyond those installed once into a directory
@@ -48,6 +49,7 @@ def cookbook_site(cache_dir: Path, console: Console) -> Path:
     """A directory holding the cookbook and its extra packages (installed on first use), for PYTHONPATH."""
     site = cache_dir / f"cookbook-{COOKBOOK.split('==')[1]}"
     stamp = site / ".graft-installed.json"
+    cache_dir.mkdir(parents=True, exist_ok=True)
     wanted = [COOKBOOK, *COOKBOOK_EXTRAS]
     if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
         return site
@@ -61,10 +63,11 @@ def cookbook_site(cache_dir: Path, console: Console) -> Path:
     return site
 
 
-def recipe_command(model_dir: Path, base_url: str, log_path: Path, args: argparse.Namespace) -> list[str]:
+def recipe_command(model_dir: Path, base_url: str, log_path: Path, args: argparse.Namespace,
+                   loss_fn: str) -> list[str]:
     """The cookbook recipe's command line for one tenant (its own chz `key=value` arguments)."""
     settings = {"env": "arithmetic", "model_name": str(model_dir), "renderer_name": "role_colon",
-                "base_url": base_url, "loss_fn": "importance_sampling", "lora_rank": args.rank,
+                "base_url": base_url, "loss_fn": loss_fn, "lora_rank": args.rank,
                 "group_size": args.group_size, "groups_per_batch": args.groups, "learning_rate": args.learning_rate,
                 "max_tokens": args.max_tokens, "max_steps": args.steps, "eval_every": 0, "save_every": args.steps,
                 "log_path": str(log_path), "behavior_if_log_dir_exists": "delete"}
@@ -86,12 +89,13 @@ def run_recipes(model_dir: Path, base_url: str, key: str, site: Path, out: Path,
     env = {**os.environ, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     logs = {f"tenant{i + 1}": out / f"tenant{i + 1}" for i in range(args.tenants)}
+    losses = args.loss_fn.split(",")
     processes = {}
-    for name, log_path in logs.items():
+    for index, (name, log_path) in enumerate(logs.items()):
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = recipe_command(model_dir, base_url, log_path, args, losses[index % len(losses)])
         with open(out / f"{name}.log", "w") as stdout:
-            processes[name] = subprocess.Popen(recipe_command(model_dir, base_url, log_path, args), env=env,
-                                               stdout=stdout, stderr=subprocess.STDOUT, cwd=out)
+            processes[name] = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT, cwd=out)
     with console.status("") as status:
         while any(process.poll() is None for process in processes.values()):
             status.update("cookbook RL recipe, " + ", ".join(
@@ -142,7 +146,7 @@ def measure(args: argparse.Namespace, console: Console) -> dict:
         server.__exit__(None, None, None)
     return {"model": args.model, "tenants": args.tenants, "steps": args.steps, "seconds": round(seconds, 1),
             "settings": {"group_size": args.group_size, "groups_per_batch": args.groups, "rank": args.rank,
-                         "learning_rate": args.learning_rate, "max_tokens": args.max_tokens},
+                         "learning_rate": args.learning_rate, "max_tokens": args.max_tokens, "loss_fn": args.loss_fn},
             "rewards": per_tenant, "passes": sum(passes.values()),
             "shared_passes": sum(count for size, count in passes.items() if size > 1)}
 
@@ -180,6 +184,15 @@ def plot_rewards(result: dict, path: Path) -> Path:
     return path
 
 
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")  # the SDK's losses that the RL recipe trains with
+
+
+def _losses(text: str) -> str:
+    if unknown := [name for name in text.split(",") if name not in RL_LOSSES]:
+        raise argparse.ArgumentTypeError(f"unknown loss {unknown[0]!r} (one or more of {', '.join(RL_LOSSES)})")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="a packaged model's name or an HF directory")
     parser.add_argument("--tenants", type=COUNT, default=2, help="recipe processes run at once, one tenant each")
@@ -189,6 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=COUNT, default=8, help="the recipe's lora_rank (one vLLM accepts: 8, 16, ...)")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--max-tokens", type=COUNT, default=5, help="the recipe's max_tokens (the recipe's default)")
+    parser.add_argument("--loss-fn", type=_losses, default="importance_sampling",
+                        help="the recipe's loss_fn; several, comma-separated, go to the tenants in turn")
     parser.add_argument("--window", type=COUNT, default=3, help="steps averaged at the start and at the end")
     parser.add_argument("--out", default="runs/bench/cookbook", help="logs, the recipes' log paths, cookbook.png")
 

@@ -13,10 +13,11 @@ Semantics copied from vLLM (v1) so results are comparable:
 - Sample j of a request with `seed` uses a generator seeded with `seed + j` (vLLM seeds the j-th
   child of an n > 1 request so); without a seed the generator is seeded from OS entropy.
 - eos = the tokenizer's eos id plus the generation config's `eos_token_id`s; `ignore_eos` ignores
-  them (not the request's `stop_token_ids`, which end a sample as eos does, as in vLLM). A sample ending on eos keeps the eos token (and its log-prob) in `token_ids`, but its
-  text leaves it out. A stop string ends the sample as soon as the decoded text contains it; the
-  token that completed it stays in `token_ids` and `text` is cut before the stop string. Both
-  finish with "stop"; reaching `max_new_tokens` otherwise finishes with "length".
+  them (not the request's `stop_token_ids`, which end a sample as eos does, as in vLLM). A sample
+  ending on eos keeps the eos token (and its log-prob) in `token_ids`, but its text leaves it out.
+  A stop string ends the sample as soon as the decoded text contains it; the token that completed
+  it stays in `token_ids` and `text` is cut before the stop string. Both finish with "stop";
+  reaching `max_new_tokens` otherwise finishes with "length".
 - Text is decoded with the model directory's tokenizer, special tokens skipped.
 
 Adapters live as named adapters of ONE `peft.PeftModel` around the base. PEFT names them with

@@ -11,15 +11,17 @@ import uvicorn
 
 from graft.rollout.launcher import free_port
 from graft.tenants.api import build_app
+from graft.tenants.users import Users
 
 
 class ServiceThread:
     """`with ServiceThread(make) as running:` serves the service that `make()` (an async context
     manager) yields at `running.url`; `running.service` is that service, `running.call(coroutine)` runs
-    on its event loop."""
+    on its event loop. `users`: their keys, or one key for a single user."""
 
-    def __init__(self, make, api_key: str, poll_seconds: float = 5.0) -> None:
-        self._make, self._key, self._poll = make, api_key, poll_seconds
+    def __init__(self, make, users: Users | str, poll_seconds: float = 5.0) -> None:
+        self._make, self._poll = make, poll_seconds
+        self._users = Users.single(users) if isinstance(users, str) else users
         self.url = f"http://127.0.0.1:{free_port()}"
         self.service = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,6 +58,6 @@ class ServiceThread:
         async with self._make() as service:
             self.service = service
             port = int(self.url.rsplit(":", 1)[1])
-            self._server = uvicorn.Server(uvicorn.Config(build_app(service, {self._key}, poll_seconds=self._poll),
+            self._server = uvicorn.Server(uvicorn.Config(build_app(service, self._users, poll_seconds=self._poll),
                                                          host="127.0.0.1", port=port, log_level="warning"))
             await self._server.serve()

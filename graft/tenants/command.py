@@ -2,8 +2,11 @@
 
 The service loads the base once for training (graft.tenants.policy) and serves each tenant's
 published versions from one vLLM server as `<tenant>-v<N>` (launched here, or `--engine-url`).
-Loopback by default; every request needs the API key (`X-API-Key`), which the SDK reads from
-TINKER_API_KEY like this command does (the SDK refuses keys that do not start with "tml-").
+Loopback by default (another interface warns); every request needs a user's API key (`X-API-Key`):
+`--keys FILE` (`<user> <key>` lines) for many users, or TINKER_API_KEY for one, which the SDK reads
+too (it refuses keys that do not start with "tml-"). The vLLM launched here requires a key of the
+service's own, made at start and held in memory only, so no other local process reaches the
+tenants' adapters through it.
 """
 
 from __future__ import annotations
@@ -17,37 +20,37 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from graft.config import LOOPBACK_HOSTS
 from graft.config.arguments import COUNT, PORT
+from graft.tenants.users import Limits, Users, check_api_key
 
 DEFAULT_PORT = 8210
-
-
-def check_api_key(key: str) -> str:
-    if not key.startswith("tml-") or len(key) < 8:
-        raise ValueError(f"an API key must start with 'tml-' and be at least 8 characters (the tinker SDK refuses "
-                         f"others), got {key[:4]!r}...")
-    return key
+ENGINE_KEY_ENV = "GRAFT_TENANTS_ENGINE_KEY"  # the launched vLLM's key, in its environment only
 
 
 @contextlib.asynccontextmanager
 async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: int, max_rank: int,
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
-                         batch_window_s: float = 0.01, session_timeout_s: float = 300.0) -> AsyncIterator:
+                         limits: Limits = Limits(), batch_window_s: float = 0.01,
+                         session_timeout_s: float = 300.0) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training
     only, sampling refused)."""
     from graft.models.loading import load_model, load_tokenizer
+    from graft.tenants.parse import Bounds
     from graft.tenants.policy import TenantPolicy
     from graft.tenants.service import TenantService
     from graft.tenants.serving import TenantServing
 
     tokenizer = load_tokenizer(model_dir)
-    policy = TenantPolicy(load_model(model_dir, dtype), pad_id=tokenizer.pad_token_id or 0)
+    base = load_model(model_dir, dtype)
+    bounds = Bounds.of(base, limits)
+    policy = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0)
     serving = (TenantServing(engine, run_dir / "adapters", max_loras=max_loras, keep_versions=keep_versions)
                if engine is not None else None)
     service = TenantService(policy, serving, base_model=base_model or str(model_dir), tokenizer_id=str(model_dir),
-                            max_rank=max_rank, state_root=run_dir / "states", batch_window_s=batch_window_s,
-                            session_timeout_s=session_timeout_s)
+                            max_rank=max_rank, state_root=run_dir / "states", bounds=bounds,
+                            batch_window_s=batch_window_s, session_timeout_s=session_timeout_s)
     service.start()
     try:
         yield service
@@ -55,7 +58,7 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
         await service.close()
 
 
-async def _serve(args: argparse.Namespace, key: str) -> None:
+async def _serve(args: argparse.Namespace, users: Users) -> None:
     import uvicorn
 
     from graft.models.packaged import base_model_dir
@@ -65,30 +68,49 @@ async def _serve(args: argparse.Namespace, key: str) -> None:
 
     model_dir = base_model_dir(args.model, log=lambda message: print(f"graft: {message}", file=sys.stderr))
     with contextlib.ExitStack() as stack:
-        url = args.engine_url
+        url, engine_key = args.engine_url, None
         if url is None:
             print(f"graft: starting vLLM for {model_dir} (takes ~30-70 s on CPU)", file=sys.stderr, flush=True)
+            engine_key = os.environ[ENGINE_KEY_ENV] = secrets.token_hex(24)
             server = stack.enter_context(VllmServer(VllmServerConfig(
                 model=str(model_dir), dtype=args.dtype, max_lora_rank=args.max_rank, max_loras=args.max_loras,
-                log_dir=args.run_dir)))
+                log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV)))
             url = server.url
-        async with VllmClient(url) as engine, tenant_service(
+        async with VllmClient(url, api_key=engine_key) as engine, tenant_service(
                 model_dir, engine, run_dir=args.run_dir, max_loras=args.max_loras, max_rank=args.max_rank,
-                keep_versions=args.keep_versions, dtype=args.dtype) as service:
-            config = uvicorn.Config(build_app(service, {key}), host=args.host, port=args.port, log_level="warning")
+                keep_versions=args.keep_versions, dtype=args.dtype, limits=limits_of(args)) as service:
+            config = uvicorn.Config(build_app(service, users), host=args.host, port=args.port, log_level="warning")
             print(f"graft: Tinker API for {model_dir} at http://{args.host}:{args.port} (vLLM at {url}); "
                   "clients: tinker.ServiceClient(base_url=...) with TINKER_API_KEY set; Ctrl-C stops it",
                   file=sys.stderr, flush=True)
             await uvicorn.Server(config).serve()
 
 
-def cmd_tenants_serve(args: argparse.Namespace) -> None:
+def limits_of(args: argparse.Namespace) -> Limits:
+    return Limits(body_bytes=args.max_body_bytes, datum_tokens=args.max_datum_tokens,
+                  request_tokens=args.max_request_tokens, sample_tokens=args.max_sample_tokens,
+                  models_per_user=args.max_models, sessions_per_user=args.max_sessions,
+                  pending_per_user=args.max_pending, engine_per_user=args.max_engine_requests)
+
+
+def users_of(args: argparse.Namespace) -> Users:
+    """The users: the keys file, else TINKER_API_KEY's one user, else one user with a new key (printed)."""
+    if args.keys is not None:
+        return Users.from_file(args.keys)
     key = os.environ.get("TINKER_API_KEY")
     if key is None:
         key = "tml-" + secrets.token_hex(16)
-        print(f"graft: no TINKER_API_KEY set; this service's key: {key}", file=sys.stderr, flush=True)
-    check_api_key(key)
-    asyncio.run(_serve(args, key))
+        print(f"graft: no --keys and no TINKER_API_KEY; this service's one key: {key}", file=sys.stderr, flush=True)
+    return Users.single(check_api_key(key))
+
+
+def cmd_tenants_serve(args: argparse.Namespace) -> None:
+    users = users_of(args)
+    if args.host not in LOOPBACK_HOSTS and not args.host.startswith("127."):
+        print(f"graft: warning: the Tinker API on {args.host} is reachable from the network: anyone who can reach "
+              f"it and holds one of the {len(users.names)} key(s) trains and samples there, and the traffic is "
+              "plain HTTP (put TLS in front)", file=sys.stderr, flush=True)
+    asyncio.run(_serve(args, users))
 
 
 def add_tenants_command(sub) -> None:
@@ -99,6 +121,8 @@ def add_tenants_command(sub) -> None:
     serve = tenants.add_parser("serve", help="serve the Tinker API for one base model")
     serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory "
                                                     "or a .gguf file")
+    serve.add_argument("--keys", type=Path, help="users' API keys: one '<user> <key>' per line, '#' comments "
+                                                 "(default: TINKER_API_KEY, one user)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     serve.add_argument("--port", type=PORT, default=DEFAULT_PORT)
     serve.add_argument("--engine-url", help="a running vLLM server of the same base (default: launch one)")
@@ -107,4 +131,17 @@ def add_tenants_command(sub) -> None:
     serve.add_argument("--keep-versions", type=COUNT, default=2, help="versions of each tenant kept served")
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--run-dir", type=Path, default=Path("runs/tenants"), help="published adapters and logs")
+    limits = Limits()
+    serve.add_argument("--max-body-bytes", type=COUNT, default=limits.body_bytes, help="largest request body")
+    serve.add_argument("--max-datum-tokens", type=COUNT, help="tokens per datum (default: the base's context)")
+    serve.add_argument("--max-request-tokens", type=COUNT, default=limits.request_tokens,
+                       help="tokens of all datums of one forward_backward")
+    serve.add_argument("--max-sample-tokens", type=COUNT, default=limits.sample_tokens,
+                       help="num_samples x max_tokens of one sample request")
+    serve.add_argument("--max-models", type=COUNT, default=limits.models_per_user, help="training models per user")
+    serve.add_argument("--max-sessions", type=COUNT, default=limits.sessions_per_user, help="live sessions per user")
+    serve.add_argument("--max-pending", type=COUNT, default=limits.pending_per_user,
+                       help="a user's requests in flight (more wait: 429)")
+    serve.add_argument("--max-engine-requests", type=COUNT, default=limits.engine_per_user,
+                       help="a user's sample requests at the engine at once (more wait their turn)")
     serve.set_defaults(func=cmd_tenants_serve)

@@ -1,16 +1,18 @@
-"""The Tinker service's state and scheduling: `TenantService`.
+"""The Tinker service's state: `TenantService`, its users' sessions, models and saved states.
 
 Sessions own training models (one tenant each: its own LoRA adapter and optimizer on the shared
 base, `graft.tenants.policy`) and sampling sessions (a tenant's published version, or the base).
-A model's operations carry the client's sequence ids and run in that order, one at a time, whatever
-order they arrive in (the SDK sends the chunks of a large batch concurrently, the first last).
-
-Batching across tenants: when models' next operations are forward_backward passes, they run as ONE
-forward and backward over all their datums (grouped by loss), so tenants who train at the same time
-share each pass over the frozen base. A first pass waits `batch_window_s` for others to arrive:
-tenants' clients are independent programs, and a pass that had just started would hold every later
-tenant back by a whole pass. All model work runs on one thread, one job at a time; HTTP handling,
+Models' operations run in each model's order, forward_backward passes of several tenants together
+(graft.tenants.schedule). All model work runs on one thread, one job at a time; HTTP handling,
 sampling and adapter syncs run on the event loop beside it.
+
+Users: every session, model, sampling session, request and saved state belongs to the user whose key
+made it (graft.tenants.users). A lookup of another user's id or `tinker://` path fails exactly as a
+lookup of one that never existed (`NotFound`): nothing tells one user what another holds. Ids are
+random, so none is reused, also across restarts (a new client must never get a crashed service's
+model id, whose saved states it could then overwrite). Saved states live under
+`<state root>/<user>/<model id>/<name>`, so a restarted service on the same root serves each to its
+owner and to no one else.
 """
 
 from __future__ import annotations
@@ -18,68 +20,41 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import logging
+import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from graft.tenants.checkpoint import load_tenant, save_tenant, tenant_spec
-from graft.tenants.futures import Futures, RequestFailed, as_failure
-from graft.tenants.policy import AdamParams, DatumResult, TenantPolicy, TenantSpec
+from graft.atomic import sweep_temporaries
+from graft.tenants.checkpoint import CheckpointError, load_tenant, save_tenant, tenant_spec
+from graft.tenants.futures import Futures, NotFound, RequestFailed
+from graft.tenants.parse import Bounds
+from graft.tenants.policy import AdamParams, TenantPolicy, TenantSpec
 from graft.tenants.sampling import Samplers
+from graft.tenants.schedule import SKIP, Model, Op, Scheduler
 from graft.tenants.source import TenantSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FORWARD_BACKWARD, OPTIM_STEP, SAVE_FOR_SAMPLER = "forward_backward", "optim_step", "save_weights_for_sampler"
+OPTIM_STEP, SAVE_FOR_SAMPLER = "optim_step", "save_weights_for_sampler"
 SAVE_STATE, LOAD_STATE = "save_weights", "load_weights"
-SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
-class ForwardResult:
-    """A forward_backward's per-datum results and its summed loss."""
-
-    datums: list[DatumResult]
-
-    @property
-    def loss(self) -> float:
-        return sum(datum.loss for datum in self.datums)
-
-
 @dataclass
-class Op:
-    """One ordered operation of a model: what to do (`kind`, `payload`) and where its result goes."""
+class Session:
+    """A client's session: its user, its training models' ids, when it was last heard from."""
 
-    kind: str
-    seq_id: int
-    payload: Any
-    future: asyncio.Future
-
-
-ISSUED_KEPT = 64  # operations per model whose request ids a resent request gets back (`submit`)
-
-
-@dataclass
-class Model:
-    """A training model: a tenant's adapter, and its operations waiting for their turn."""
-
-    model_id: str
-    tenant: str
-    rank: int
-    next_seq: int = 1
-    waiting: dict[int, Op] = field(default_factory=dict)
-    busy: bool = False
-    created_by: str = ""  # the request id of the create_model that made it
-    issued: dict[int, tuple[str, str]] = field(default_factory=dict)  # recent seq_id -> (kind, request id)
+    owner: str
+    heard: float
+    models: list[str] = field(default_factory=list)
+    finished: bool = False
 
 
 class TenantService:
@@ -92,7 +67,9 @@ class TenantService:
         base_model: the name clients give to create models and that `get_info` reports.
         tokenizer_id: what clients load the tokenizer from (`get_info`'s `tokenizer_id`).
         max_rank: the largest LoRA rank the engine serves.
-        state_root: where `save_state` writes tenants' states (graft.tenants.checkpoint).
+        state_root: where `save_state` writes users' states (graft.tenants.checkpoint).
+        bounds: the base's vocabulary and context, and what one user or request may take
+            (graft.tenants.parse, graft.tenants.users).
         batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
         session_timeout_s: a session not heard from for this long (the SDK sends a heartbeat every
             10 s while its client lives) is finished as if its client had closed it: a client that
@@ -100,78 +77,86 @@ class TenantService:
     """
 
     def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
-                 state_root: Path, batch_window_s: float = 0.01, session_timeout_s: float = 300.0) -> None:
+                 state_root: Path, bounds: Bounds, batch_window_s: float = 0.01,
+                 session_timeout_s: float = 300.0) -> None:
         self.policy = policy
         self.state_root = state_root
         self.base_model = base_model
         self.tokenizer_id = tokenizer_id
         self.max_rank = max_rank
-        self.batch_window_s = batch_window_s
+        self.bounds = bounds
+        self.limits = bounds.limits
         self.futures = Futures()
-        self.models: dict[str, Model] = {}
-        self.sessions: dict[str, list[str]] = {}  # session id -> its models' ids
-        self._finished: set[str] = set()
-        self._heard: dict[str, float] = {}  # session id -> when it last sent a heartbeat (monotonic)
+        self.sessions: dict[str, Session] = {}
         self.session_timeout_s = session_timeout_s
-        self.sampling = Samplers(serving, self.futures)
-        self.pass_sizes: Counter[int] = Counter()  # tenants in a forward_backward pass -> passes so far
-        self._session_ids = itertools.count(1)
-        self._tenant_ids = itertools.count(1)
+        self.sampling = Samplers(serving, self.futures, self.limits.engine_per_user)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
-        self._wake = asyncio.Event()
-        self._scheduler: asyncio.Task | None = None
-        self._reaper: asyncio.Task | None = None
+        self.scheduler = Scheduler(policy, self.futures, self.run_on_model, self._single, batch_window_s)
+        self.models: dict[str, Model] = self.scheduler.models
+        self.pass_sizes = self.scheduler.pass_sizes
+        self._tasks: list[asyncio.Task] = []
 
     async def run_on_model(self, job: Callable[[], T]) -> T:
         """`job()` on the model's thread, after the jobs before it."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, job)
 
     def start(self) -> None:
-        """Start scheduling operations (on the running event loop)."""
+        """Start scheduling operations (on the running event loop), after removing what saves cut
+        short by a crash left behind (never a state: those appear whole or not at all)."""
+        for leftover in sweep_temporaries(self.state_root) if self.state_root.exists() else ():
+            log.info("removed %s, left by a save that did not finish", leftover)
         loop = asyncio.get_running_loop()
-        self._scheduler = loop.create_task(self._schedule())
-        self._reaper = loop.create_task(self._expire_silent_sessions())
+        self._tasks = [loop.create_task(self.scheduler.run()), loop.create_task(self._expire_silent_sessions())]
 
     async def close(self) -> None:
-        for task in (self._scheduler, self._reaper):
-            if task is not None:
-                task.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.sampling.close()
         self._thread.shutdown(wait=True)
 
     # sessions and models
 
-    def create_session(self) -> str:
-        session_id = f"session-{next(self._session_ids)}"
-        self.sessions[session_id] = []
-        self._heard[session_id] = time.monotonic()
+    def create_session(self, owner: str) -> str:
+        live = sum(1 for session in self.sessions.values() if session.owner == owner and not session.finished)
+        if live >= self.limits.sessions_per_user:
+            raise RequestFailed(f"you hold {live} live sessions, the limit per user (--max-sessions); "
+                                "finish one (close its ServiceClient) first")
+        session_id = f"session-{secrets.token_hex(8)}"
+        self.sessions[session_id] = Session(owner, time.monotonic())
         return session_id
 
-    def heartbeat(self, session_id: str) -> bool:
-        """Note that `session_id`'s client lives; False when the session is finished (or unknown)."""
-        if session_id not in self.sessions or session_id in self._finished:
+    def heartbeat(self, owner: str, session_id: str) -> bool:
+        """Note that `session_id`'s client lives; False when the session is finished (or not the user's)."""
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != owner or session.finished:
             return False
-        self._heard[session_id] = time.monotonic()
+        session.heard = time.monotonic()
         return True
 
     async def _expire_silent_sessions(self) -> None:
         while True:
             await asyncio.sleep(min(30.0, self.session_timeout_s / 2))
             now = time.monotonic()
-            for session_id, heard in list(self._heard.items()):
-                if now - heard > self.session_timeout_s and session_id not in self._finished:
+            for session_id, session in list(self.sessions.items()):
+                if now - session.heard > self.session_timeout_s and not session.finished:
                     log.warning("session %s sent no heartbeat for %.0f s: finished, its tenants released",
-                                session_id, now - heard)
-                    await self.finish_session(session_id)
+                                session_id, now - session.heard)
+                    await self._finish(session_id)
 
-    async def finish_session(self, session_id: str) -> None:
-        """End a session: once each of its models' queued operations are done, its tenant goes (versions
-        unloaded, engine slots and the adapter's memory freed) and its id is unknown from then on."""
-        if session_id in self._finished:
+    async def finish_session(self, owner: str, session_id: str) -> None:
+        """End `owner`'s session: once each of its models' queued operations are done, its tenant goes
+        (versions unloaded, engine slots and the adapter's memory freed) and its id is unknown from then on."""
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != owner:
+            raise NotFound(f"unknown session {session_id!r}")
+        await self._finish(session_id)
+
+    async def _finish(self, session_id: str) -> None:
+        session = self.sessions[session_id]
+        if session.finished:
             return  # a retried finish (the SDK resends one whose answer it did not get)
-        models = self._session(session_id)
-        self._finished.add(session_id)
-        for model_id in models:
+        session.finished = True
+        for model_id in session.models:
             model = self.models[model_id]
             while model.busy or model.next_seq in model.waiting:  # not for operations whose turn never comes
                 await asyncio.sleep(0.05)
@@ -183,211 +168,180 @@ class TenantService:
             await self.run_on_model(functools.partial(self.policy.remove, model.tenant))
             log.info("model %s (tenant %s) released: its session finished", model_id, model.tenant)
         del self.sessions[session_id]
-        self._heard.pop(session_id, None)
 
-    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: dict) -> str:
-        """A new tenant for `lora` (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.
+    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, *, rank: int,
+                     seed: int | None, train_attn: bool, train_mlp: bool) -> str:
+        """A new tenant of `owner`'s (the SDK's LoraConfig); a request id whose result is `{"model_id"}`.
         A tenant's alpha is its rank (LoRA scaling 1); `train_unembed` is not supported and ignored (the
         adapter covers attention and MLP).
 
         Raises:
-            RequestFailed: an unknown session or base model, a rank the engine cannot serve, or no
-                LoRA target asked for.
+            RequestFailed: an unknown session or base model, a rank the engine cannot serve, no LoRA
+                target asked for, or the user's models at their limit.
         """
-        if (retried := self._created(session_id, model_seq_id)) is not None:
+        if (retried := self._created(owner, session_id, model_seq_id)) is not None:
             return retried
         self._check_base(base_model)
-        rank = int(lora.get("rank", 32))
-        targets = (ATTENTION if lora.get("train_attn", True) else ()) + (MLP if lora.get("train_mlp", True) else ())
+        targets = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ())
         if not targets:
             raise RequestFailed("train_attn and train_mlp are both false: the adapter would train nothing")
-        seed = int(lora["seed"]) if lora.get("seed") is not None else len(self.models)
-        model = self._new_model(session_id, model_seq_id, rank)
-        spec = TenantSpec(model.tenant, rank=rank, alpha=float(rank), target_modules=targets, seed=seed)
-        model.created_by = self._job(self.run_on_model(functools.partial(self._add_tenant, spec, model.model_id)))
+        model = self._new_model(owner, session_id, model_seq_id, rank)
+        spec = TenantSpec(model.tenant, rank=rank, alpha=float(rank), target_modules=targets,
+                          seed=len(self.models) if seed is None else seed)
+        model.created_by = self._job(owner, self.run_on_model(functools.partial(self._add_tenant, spec, model)))
         return model.created_by
 
-    def create_model_from_state(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool) -> str:
-        """A new tenant whose adapter (and optimizer, `with_optimizer`) is the state saved at `path`."""
-        if (retried := self._created(session_id, model_seq_id)) is not None:
+    def create_model_from_state(self, owner: str, session_id: str, model_seq_id: int, path: str,
+                                with_optimizer: bool) -> str:
+        """A new tenant of `owner`'s whose adapter (and optimizer, `with_optimizer`) is `owner`'s state
+        saved at `path`."""
+        if (retried := self._created(owner, session_id, model_seq_id)) is not None:
             return retried
-        state_dir = self.state_dir(path)
-        spec = tenant_spec(state_dir, "")
-        model = self._new_model(session_id, model_seq_id, spec.rank)
+        state_dir = self.saved_state(owner, path)
+        spec = self._checked(path, state_dir, lambda: tenant_spec(state_dir, ""))
+        model = self._new_model(owner, session_id, model_seq_id, spec.rank)
 
         def add_and_load() -> dict:
-            self._add_tenant(dataclasses.replace(spec, name=model.tenant), model.model_id)
-            load_tenant(self.policy, model.tenant, state_dir, with_optimizer=with_optimizer)
+            self._add_tenant(dataclasses.replace(spec, name=model.tenant), model)
+            self._checked(path, state_dir, lambda: load_tenant(self.policy, model.tenant, state_dir,
+                                                               with_optimizer=with_optimizer))
             return {"path": path, "model_id": model.model_id}
 
-        model.created_by = self._job(self.run_on_model(add_and_load))
+        model.created_by = self._job(owner, self.run_on_model(add_and_load))
         return model.created_by
 
-    def _created(self, session_id: str, model_seq_id: int) -> str | None:
+    def _created(self, owner: str, session_id: str, model_seq_id: int) -> str | None:
         """The request id of the session's model `model_seq_id` if it was created already. The SDK sends
         a request again when its answer was lost (a timeout: under a full test run's load a cookbook
         recipe's first save_weights_for_sampler was refused so, which failed the run), and the same
-        request gets the same answer here and in `submit`."""
+        request gets the same answer here and in `Scheduler.submit`."""
         model = self.models.get(f"{session_id}:train:{model_seq_id}")
-        return None if model is None else model.created_by
+        return None if model is None or model.owner != owner else model.created_by
 
-    def _new_model(self, session_id: str, model_seq_id: int, rank: int) -> Model:
-        self._session(session_id)
+    def _new_model(self, owner: str, session_id: str, model_seq_id: int, rank: int) -> Model:
+        session = self.user_session(owner, session_id)
         if not 1 <= rank <= self.max_rank:
             raise RequestFailed(f"LoRA rank {rank} is out of range: the engine here serves ranks 1..{self.max_rank}")
+        held = sum(1 for model in self.models.values() if model.owner == owner)
+        if held >= self.limits.models_per_user:
+            raise RequestFailed(f"you hold {held} training models, the limit per user (--max-models); finish a "
+                                "session that holds one first")
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             raise RequestFailed(f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
-        tenant = f"tenant{next(self._tenant_ids)}"  # never reused: nor are its adapters' names
+        tenant = f"t{secrets.token_hex(6)}"  # never reused: nor are its adapters' names
         self.sampling.add_tenant(tenant)
-        self.models[model_id] = model = Model(model_id, tenant, rank)
-        self.sessions[session_id].append(model_id)
+        self.models[model_id] = model = Model(model_id, owner, tenant, rank)
+        session.models.append(model_id)
         return model
 
-    def _add_tenant(self, spec: TenantSpec, model_id: str) -> dict:
+    def _add_tenant(self, spec: TenantSpec, model: Model) -> dict:
         self.policy.add(spec)
-        log.info("model %s: tenant %s, rank %d, on %s", model_id, spec.name, spec.rank, ",".join(spec.target_modules))
-        return {"model_id": model_id}
+        log.info("model %s of %s: tenant %s, rank %d, on %s", model.model_id, model.owner, spec.name, spec.rank,
+                 ",".join(spec.target_modules))
+        return {"model_id": model.model_id}
 
-    def state_dir(self, path: str) -> Path:
-        """Where the state at `path` (`tinker://<model id>/weights/<name>`, what `save_state` returned) lives."""
+    def state_dir(self, owner: str, path: str) -> Path:
+        """Where `owner`'s state at `path` (`tinker://<model id>/weights/<name>`, what `save_state`
+        returned) lives: under the user's own directory, whatever the path names."""
         parts = path.removeprefix("tinker://").split("/")
         if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights" or any(
-                part in ("", ".", "..") for part in parts):
+                part in ("", ".", "..") or part.startswith(".") for part in parts):
             raise RequestFailed(f"not a training state path: {path!r} (expected tinker://<model id>/weights/<name>)")
-        return self.state_root / parts[0].replace(":", "_") / parts[2]
+        return self.state_root / owner / parts[0].replace(":", "_") / parts[2]
 
-    def info(self, model_id: str) -> dict:
-        model = self.model(model_id)
+    def saved_state(self, owner: str, path: str) -> Path:
+        """`state_dir`, which must hold a saved state.
+
+        Raises:
+            NotFound: none there (never saved, or another user's: they answer alike).
+        """
+        state_dir = self.state_dir(owner, path)
+        if not state_dir.is_dir():
+            raise NotFound(f"no saved state at {path!r}")
+        return state_dir
+
+    @staticmethod
+    def _checked(path: str, state_dir: Path, read: Callable[[], T]) -> T:
+        """`read()`, a checkpoint problem told by the client's `path`, not the server's directories."""
+        try:
+            return read()
+        except CheckpointError as error:
+            raise RequestFailed(str(error).replace(str(state_dir), path)) from None
+
+    def info(self, owner: str, model_id: str) -> dict:
+        model = self.model(owner, model_id)
         return {"model_id": model_id, "is_lora": True, "lora_rank": model.rank, "model_name": self.base_model,
                 "model_data": {"arch": "lora", "model_name": self.base_model, "tokenizer_id": self.tokenizer_id}}
 
-    def model(self, model_id: str) -> Model:
-        if (model := self.models.get(model_id)) is None:
-            raise RequestFailed(f"unknown model {model_id!r}")
+    def model(self, owner: str, model_id: str) -> Model:
+        if (model := self.models.get(model_id)) is None or model.owner != owner:
+            raise NotFound(f"unknown model {model_id!r}")
         return model
 
-    def create_sampler(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
-        """A sampling session of saved sampler weights (`model_path`) or of the base model."""
-        self._session(session_id)
+    def create_sampler(self, owner: str, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        """A sampling session of `owner`'s saved sampler weights (`model_path`) or of the base model."""
+        self.user_session(owner, session_id)
         if model_path is None:
             self._check_base(base_model)
-        return self.sampling.create(model_path)
+        return self.sampling.create(owner, model_path)
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model not in (self.base_model, self.tokenizer_id):
             raise RequestFailed(f"base model {base_model!r} is not served; the service serves {self.base_model!r}")
 
-    def _session(self, session_id: str) -> list[str]:
-        if (models := self.sessions.get(session_id)) is None:
-            raise RequestFailed(f"unknown session {session_id!r}")
-        return models
+    def user_session(self, owner: str, session_id: str) -> Session:
+        """`owner`'s live session `session_id`.
 
-    def _job(self, work) -> str:
-        return self.futures.job(work)
+        Raises:
+            NotFound: none such (finished, never made, or another user's).
+        """
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != owner or session.finished:
+            raise NotFound(f"unknown session {session_id!r}")
+        return session
+
+    def _job(self, owner: str, work) -> str:
+        return self.futures.job(owner, work)
 
     # ordered operations
 
-    def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
-        """Queue `kind` for `model_id` at its place `seq_id`; its request id.
+    def submit(self, owner: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
+        """Queue `kind` for `owner`'s model `model_id` at its place `seq_id`; its request id.
 
         Raises:
             RequestFailed: an unknown model, or a sequence id already used.
         """
-        model = self.model(model_id)
-        if (issued := model.issued.get(seq_id)) is not None and issued[0] == kind:
-            return issued[1]  # sent again, its answer lost (`_created`)
-        if seq_id < model.next_seq or seq_id in model.waiting:
-            raise RequestFailed(f"model {model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
-        request_id, future = self.futures.new()
-        model.waiting[seq_id] = Op(kind, seq_id, payload, future)
-        model.issued[seq_id] = (kind, request_id)
-        model.issued.pop(seq_id - ISSUED_KEPT, None)
-        self._wake.set()
-        return request_id
+        return self.scheduler.submit(self.model(owner, model_id), seq_id, kind, payload)
 
-    def skip(self, model_id: str, seq_id: int) -> None:
-        """Give up `seq_id`'s place in `model_id`'s order: its request was refused (a 400), and the
-        client has counted it, so the operations after it must not wait for it."""
-        model = self.models.get(model_id)
-        if model is not None and seq_id >= model.next_seq and seq_id not in model.waiting:
-            model.waiting[seq_id] = Op(SKIP, seq_id, None, asyncio.get_running_loop().create_future())
-            self._wake.set()
-
-    async def _schedule(self) -> None:
-        """Run each model's next operation once its turn comes; forward_backward passes together."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            ready = self._take_ready(lambda op: op.kind != FORWARD_BACKWARD)
-            for model, op in ready:
-                asyncio.get_running_loop().create_task(self._run([model], [op], _listed(self._single(model, op))))
-            passes = self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
-            if passes and self.batch_window_s > 0:
-                await asyncio.sleep(self.batch_window_s)
-                passes += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
-            groups: dict[tuple[str, bool], list[tuple[Model, Op]]] = {}
-            for model, op in passes:
-                groups.setdefault((op.payload["loss"], op.payload["forward_only"]), []).append((model, op))
-            for (loss, forward_only), group in groups.items():
-                asyncio.get_running_loop().create_task(self._run_pass(group, loss, forward_only))
-
-    def _take_ready(self, wanted: Callable[[Op], bool]) -> list[tuple[Model, Op]]:
-        ready = []
-        for model in self.models.values():
-            if not model.busy and (op := model.waiting.get(model.next_seq)) is not None and wanted(op):
-                del model.waiting[model.next_seq]
-                model.busy = True
-                ready.append((model, op))
-        return ready
-
-    async def _run(self, models: list[Model], ops: list[Op], work) -> None:
-        """Await `work` (one result per op), resolve the ops' futures, then free the models for their next."""
-        try:
-            for op, result in zip(ops, await work, strict=True):
-                op.future.set_result(result)
-        except Exception as error:  # every failure reaches the client as its request's result
-            failure = as_failure(error)
-            for op in ops:
-                op.future.set_exception(failure)
-        finally:
-            for model in models:
-                model.next_seq += 1
-                model.busy = False
-            self._wake.set()
-
-    async def _run_pass(self, group: list[tuple[Model, Op]], loss: str, forward_only: bool) -> None:
-        models, ops = [model for model, _ in group], [op for _, op in group]
-        datums = [datum for op in ops for datum in op.payload["datums"]]
-        counts = [len(op.payload["datums"]) for op in ops]
-
-        def one_pass() -> list[ForwardResult]:
-            results = self.policy.forward_backward(datums, loss, backward=not forward_only)
-            starts = list(itertools.accumulate(counts, initial=0))
-            return [ForwardResult(results[start:end]) for start, end in itertools.pairwise(starts)]
-
-        log.debug("one pass for %d tenant(s): %d datums, %s", len(ops), len(datums), loss)
-        self.pass_sizes[len(ops)] += 1
-        await self._run(models, ops, self.run_on_model(one_pass))
+    def skip(self, owner: str, model_id: str, seq_id: int) -> None:
+        """Give up `seq_id`'s place in `owner`'s model's order (`Scheduler.skip`)."""
+        if (model := self.models.get(model_id)) is not None and model.owner == owner:
+            self.scheduler.skip(model, seq_id)
 
     async def _single(self, model: Model, op: Op) -> Any:
+        """Run `model`'s operation `op` (any but forward_backward, which the scheduler runs in passes)."""
         if op.kind == SKIP:
             return None
         if op.kind == OPTIM_STEP:
             return await self.run_on_model(functools.partial(self._optim_step, model, op.payload))
         if op.kind == SAVE_STATE:
             path = f"tinker://{model.model_id}/weights/{op.payload['name']}"
-            await self.run_on_model(functools.partial(save_tenant, self.policy, model.tenant, self.state_dir(path),
-                                                      overwrite=op.payload["overwrite"]))
+            state_dir = self.state_dir(model.owner, path)
+            if state_dir.exists() and not op.payload["overwrite"]:
+                raise RequestFailed(f"a state is saved at {path!r} already; pass overwrite=True to replace it")
+            await self.run_on_model(functools.partial(save_tenant, self.policy, model.tenant, state_dir,
+                                                      overwrite=True))
             return {"path": path}
         if op.kind == LOAD_STATE:
-            state_dir = self.state_dir(op.payload["path"])
-            await self.run_on_model(functools.partial(load_tenant, self.policy, model.tenant, state_dir,
-                                                      with_optimizer=op.payload["optimizer"]))
-            return {"path": op.payload["path"], "model_id": model.model_id}
+            path = op.payload["path"]
+            state_dir = self.saved_state(model.owner, path)
+            await self.run_on_model(lambda: self._checked(path, state_dir, lambda: load_tenant(
+                self.policy, model.tenant, state_dir, with_optimizer=op.payload["optimizer"])))
+            return {"path": path, "model_id": model.model_id}
         if op.kind == SAVE_FOR_SAMPLER:
             source = TenantSource(self.policy, model.tenant, self.run_on_model)
-            return await self.sampling.publish(source, model.model_id, op.payload)
+            return await self.sampling.publish(model.owner, source, model.model_id, op.payload)
         raise RequestFailed(f"unknown operation {op.kind!r}", "server")
 
     def _optim_step(self, model: Model, adam: AdamParams) -> dict:
@@ -395,6 +349,3 @@ class TenantService:
         if not step.applied:
             raise RequestFailed(f"optim_step of model {model.model_id!r} refused: {step.refused}")
         return {"metrics": {"grad_norm": step.grad_norm}}
-
-async def _listed(work) -> list:
-    return [await work]

@@ -29,7 +29,7 @@ gradient, or nothing to step) and clips by the same factor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,8 @@ class ShardedTenantPolicy(TenantPolicy):
         raise TenantError(f"cannot add tenant {spec.name!r}: a sharded policy's tenants are fixed when it is built "
                           f"(FSDP2 and TP shard each adapter once); tenants: {', '.join(self.tenants)}")
 
-    def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True) -> list[DatumResult]:
+    def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True,
+                         config: Mapping[str, float] | None = None) -> list[DatumResult]:
         """`TenantPolicy.forward_backward` on this rank's share of the datums: every rank calls it
         (each data-parallel rank with its own share, the same share on the ranks of one TP group),
         also when its share holds no datum of some tenant, or none at all (then a stand-in joins the
@@ -95,7 +96,7 @@ class ShardedTenantPolicy(TenantPolicy):
         refused = None
         if datums or loss not in LOSSES:
             try:
-                self._check(datums, loss)
+                self._check(datums, loss, config)
             except TenantError as e:
                 refused = e
         if self._on_any_rank(refused is not None):
@@ -107,7 +108,7 @@ class ShardedTenantPolicy(TenantPolicy):
             self._stand_in(backward)
         if not datums:
             return []
-        results = super().forward_backward(datums, loss, backward=backward)
+        results = super().forward_backward(datums, loss, backward=backward, config=config)
         if backward:
             self._pending.update(datum.tenant for datum in datums)
         return results

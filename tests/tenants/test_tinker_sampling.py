@@ -116,6 +116,24 @@ def _sample_by_path(service_client, base_dir) -> None:
     assert max(abs(a - b) for a, b in zip(tuned.logprobs, own, strict=True)) <= TOLERANCE
     assert tuned.logprobs != plain.logprobs
     assert all(math.isfinite(value) for value in plain.logprobs)
-    with pytest.raises(tinker.BadRequestError, match="no sampler weights"):
+    with pytest.raises(tinker.NotFoundError, match="no sampler weights"):
         service_client.create_sampling_client(model_path="tinker://elsewhere/sampler_weights/x").sample(
             types.ModelInput.from_ints(PROMPT), 1, greedy).result()
+
+
+def test_top_k_and_stop_token_ids(running, base_dir):
+    """top_k=1 at temperature 1 samples what greedy does; a stop token id ends a sample there."""
+    with tinker.ServiceClient(base_url=running.url, api_key=API_KEY) as service_client:
+        base = service_client.create_sampling_client(base_model=str(base_dir)).result()
+        prompt = types.ModelInput.from_ints(PROMPT)
+        greedy = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+        tokens = list(greedy.sequences[0].tokens)
+        top1 = base.sample(prompt, 2, types.SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=5,
+                                                           stop=[])).result()
+        assert [list(s.tokens) for s in top1.sequences] == [tokens, tokens]
+        stop_at = next((i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i]), 0)  # first occurrence
+        stopped = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0,
+                                                              stop=[tokens[stop_at]])).result().sequences[0]
+        assert list(stopped.tokens) == tokens[:stop_at + 1] and stopped.stop_reason == "stop"
+        with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
+            base.sample(prompt, 1, types.SamplingParams(max_tokens=2, stop=[10 ** 7])).result()

@@ -19,6 +19,7 @@ from graft.tenants.background import ServiceThread
 from graft.tenants.command import tenant_service
 from graft.tenants.policy import AdamParams, Datum, TenantPolicy, TenantSpec
 from graft.tenants.service import ATTENTION, MLP
+from graft.tenants.users import SINGLE_USER
 
 API_KEY = "tml-graft-tests"
 STEPS = 3
@@ -122,8 +123,8 @@ def test_bad_requests_get_one_clear_error(running, service_client, base_dir):
                             loss_fn_inputs={"target_tokens": tokens[:-1], "weights": _weights(tokens)})
     with pytest.raises(tinker.BadRequestError, match="shifted by one"):  # refused at once, its seq_id skipped
         training.forward_backward([unshifted], "cross_entropy").result()
-    with pytest.raises(Exception, match="unknown loss 'dro'"):
-        training.forward_backward([_sdk_datum(tokens)], "dro").result()
+    with pytest.raises(tinker.BadRequestError, match="unknown loss_fn 'bogus'"):
+        training.forward_backward([_sdk_datum(tokens)], "bogus").result()
     with (pytest.raises(tinker.AuthenticationError),
           tinker.ServiceClient(base_url=running.url, api_key="tml-wrong-key") as stranger):
         stranger.create_lora_training_client(base_model=str(base_dir), rank=2).result()
@@ -162,7 +163,7 @@ def test_saved_state_resumes_exactly_and_is_a_peft_adapter(running, service_clie
 
     import peft
 
-    state_dir = running.service.state_dir(path)
+    state_dir = running.service.state_dir(SINGLE_USER, path)
     peft_model = peft.PeftModel.from_pretrained(load_model(base_dir), state_dir)
     loaded = {k.replace(".default.", "."): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
     assert loaded.keys() == uninterrupted.keys()
@@ -182,13 +183,14 @@ def test_a_silent_session_is_finished_and_its_tenant_released(base_dir, tmp_path
             time.sleep(0.1)
         assert running.service.models == {} and session not in running.service.sessions
         assert running.service.policy.tenants == {}
-        assert running.service.heartbeat(session) is False  # the SDK's heartbeat then gets 410 and stops
+        assert running.service.heartbeat(SINGLE_USER, session) is False  # the SDK's heartbeat: 410, it stops
 
 
 async def _session_with_a_model(service) -> str:
-    session = service.create_session()
-    request_id = service.create_model(session, 0, service.base_model, {"rank": 2})
-    assert (await service.futures.wait(request_id, 60))["model_id"] == f"{session}:train:0"
+    session = service.create_session(SINGLE_USER)
+    request_id = service.create_model(SINGLE_USER, session, 0, service.base_model, rank=2, seed=None,
+                                      train_attn=True, train_mlp=True)
+    assert (await service.futures.wait(SINGLE_USER, request_id, 60))["model_id"] == f"{session}:train:0"
     return session
 
 
@@ -202,7 +204,7 @@ def test_a_request_sent_again_gets_the_first_ones_answer_and_runs_once(running, 
         session = http.post("/create_session", json={}).json()["session_id"]
         create = {"session_id": session, "model_seq_id": 0, "base_model": str(base_dir), "lora_config": {"rank": 2}}
         first, again = (http.post("/create_model", json=create).json()["request_id"] for _ in range(2))
-        assert first == again and len(running.service.sessions[session]) == 1
+        assert first == again and len(running.service.sessions[session].models) == 1
         model_id = http.post("/retrieve_future", json={"request_id": first}).json()["model_id"]
         step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
         first, again = (http.post("/optim_step", json=step).json()["request_id"] for _ in range(2))
@@ -211,3 +213,57 @@ def test_a_request_sent_again_gets_the_first_ones_answer_and_runs_once(running, 
         assert running.service.models[model_id].next_seq == 2  # one optim_step ran
         refused = http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1})
         assert refused.status_code == 400 and "seq_id 1 was used already" in refused.json()["detail"]
+
+
+def _rl_datum(tokens: list[int], seed: int) -> types.Datum:
+    rng = random.Random(seed)
+    count = len(tokens) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:],
+                                       "logprobs": [-rng.uniform(0.5, 6.0) for _ in range(count)],
+                                       "advantages": [rng.uniform(-1.0, 1.0) for _ in range(count)]})
+
+
+def test_the_sdks_rl_losses_read_their_loss_fn_config(service_client, base_dir):
+    """cispo, dro and ppo through the SDK: the loss each reports is its definition's
+    (graft.tenants.losses, checked against the SDK's in tests/tenants/test_losses.py) on the tenant's
+    own log-probs, and a loss_fn_config changes it as the definition says."""
+    from graft.tenants.losses import LOSSES, loss_config
+
+    training = service_client.create_lora_training_client(base_model=str(base_dir), rank=2, seed=8).result()
+    tokens = _sequences(13, 0)[0]
+    datum = _rl_datum(tokens, 1)
+    logprobs_C = torch.tensor(training.forward([_sdk_datum(tokens)], "cross_entropy").result()
+                              .loss_fn_outputs[0]["logprobs"].tolist(), dtype=torch.float64)
+    inputs = {key: torch.tensor(datum.loss_fn_inputs[key].tolist(), dtype=torch.float64)
+              for key in ("logprobs", "advantages")}
+    for loss, config in (("cispo", None), ("cispo", {"clip_high_threshold": 1.1}), ("dro", {"beta": 0.5}),
+                         ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5})):
+        got = training.forward([datum], loss, loss_fn_config=config).result().metrics["loss:sum"]
+        expected = LOSSES[loss].fn(logprobs_C, inputs, loss_config(loss, config)).item()
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-5), (loss, config)
+    with pytest.raises(tinker.BadRequestError, match="loss_fn_config"):
+        training.forward_backward([datum], "dro", loss_fn_config={"eps": 0.1}).result()
+
+
+def test_forward_backward_custom_trains_as_its_loss_says(service_client, base_dir):
+    """The SDK's forward_backward_custom (a forward, the client's loss on the log-probs, then a
+    weighted cross_entropy pass carrying its gradient): a custom loss equal to cross-entropy steps the
+    tenant exactly as cross_entropy does."""
+    tokens = _sequences(17, 0)[0]
+
+    def custom(data, logprobs_list):
+        loss = -sum((torch.tensor(_weights(tokens)) * lp).sum() for lp in logprobs_list)
+        return loss, {"custom": loss.item()}
+
+    adapters = []
+    for use_custom in (False, True):
+        training = service_client.create_lora_training_client(base_model=str(base_dir), rank=2, seed=9).result()
+        if use_custom:
+            result = training.forward_backward_custom([_sdk_datum(tokens)], custom).result()
+            assert "custom" in result.metrics
+        else:
+            training.forward_backward([_sdk_datum(tokens)], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        adapters.append(training.forward([_sdk_datum(tokens)], "cross_entropy").result().metrics["loss:sum"])
+    assert adapters[1] == pytest.approx(adapters[0], rel=1e-5)

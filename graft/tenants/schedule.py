@@ -1,0 +1,222 @@
+"""The order in which the Tinker service runs models' operations: `Scheduler`.
+
+A model's operations carry the client's sequence ids and run in that order, one at a time, whatever
+order they arrive in (the SDK sends the chunks of a large batch concurrently, the first last).
+
+Batching across tenants: when models' next operations are forward_backward passes, they run as ONE
+forward and backward over all their datums (grouped by loss and its config), so tenants who train at
+the same time share each pass over the frozen base. A first pass waits `batch_window_s` for others
+to arrive: tenants' clients are independent programs, and a pass that had just started would hold
+every later tenant back by a whole pass. Each round takes at most one operation per model, so a
+client that floods one model's queue gets that model's turn and no more.
+
+One tenant's bad input never fails another's operation: datums are checked when parsed, and should a
+shared pass still fail, every tenant's gradients are put back as they were before it and each
+operation runs again alone, so only the one at fault fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graft.tenants.futures import Futures, RequestFailed, as_failure
+from graft.tenants.policy import DatumResult, TenantPolicy
+
+log = logging.getLogger(__name__)
+
+FORWARD_BACKWARD = "forward_backward"
+SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
+ISSUED_KEPT = 64  # operations per model whose request ids a resent request gets back (`submit`)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward_backward's per-datum results and its summed loss."""
+
+    datums: list[DatumResult]
+
+    @property
+    def loss(self) -> float:
+        return sum(datum.loss for datum in self.datums)
+
+
+@dataclass
+class Op:
+    """One ordered operation of a model: what to do (`kind`, `payload`) and where its result goes."""
+
+    kind: str
+    seq_id: int
+    payload: Any
+    future: asyncio.Future
+
+
+@dataclass
+class Model:
+    """A training model: a user's tenant (its adapter), and its operations waiting for their turn."""
+
+    model_id: str
+    owner: str
+    tenant: str
+    rank: int
+    next_seq: int = 1
+    waiting: dict[int, Op] = field(default_factory=dict)
+    busy: bool = False
+    created_by: str = ""  # the request id of the create_model that made it
+    issued: dict[int, tuple[str, str]] = field(default_factory=dict)  # recent seq_id -> (kind, request id)
+
+
+class Scheduler:
+    """Runs models' operations in their order (module docstring).
+
+    Args:
+        policy: the tenants' adapters on the shared base.
+        futures: where each operation's result goes.
+        run_on_model: runs a function on the model's one thread, after the jobs before it.
+        single: runs one operation that is not a forward_backward (its result, or raises).
+        batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
+    """
+
+    def __init__(self, policy: TenantPolicy, futures: Futures, run_on_model: Callable[[Callable], Awaitable],
+                 single: Callable[[Model, Op], Awaitable], batch_window_s: float) -> None:
+        self.policy, self.futures, self.run_on_model, self.single = policy, futures, run_on_model, single
+        self.batch_window_s = batch_window_s
+        self.models: dict[str, Model] = {}
+        self.pass_sizes: Counter[int] = Counter()  # tenants in a forward_backward pass -> passes so far
+        self.pass_losses: Counter[str] = Counter()  # loss -> passes so far
+        self._wake = asyncio.Event()
+
+    def submit(self, model: Model, seq_id: int, kind: str, payload: Any) -> str:
+        """Queue `kind` for `model` at its place `seq_id`; its request id.
+
+        Raises:
+            RequestFailed: a sequence id already used.
+        """
+        if (issued := model.issued.get(seq_id)) is not None and issued[0] == kind:
+            return issued[1]  # sent again, its answer lost (the service's `_created`)
+        if seq_id < model.next_seq or seq_id in model.waiting:
+            raise RequestFailed(f"model {model.model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
+        request_id, future = self.futures.new(model.owner)
+        model.waiting[seq_id] = Op(kind, seq_id, payload, future)
+        model.issued[seq_id] = (kind, request_id)
+        model.issued.pop(seq_id - ISSUED_KEPT, None)
+        self._wake.set()
+        return request_id
+
+    def skip(self, model: Model, seq_id: int) -> None:
+        """Give up `seq_id`'s place in `model`'s order: its request was refused (a 4xx), and the
+        client has counted it, so the operations after it must not wait for it."""
+        if seq_id >= model.next_seq and seq_id not in model.waiting:
+            model.waiting[seq_id] = Op(SKIP, seq_id, None, asyncio.get_running_loop().create_future())
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Run each model's next operation once its turn comes; forward_backward passes together."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for model, op in self._take_ready(lambda op: op.kind != FORWARD_BACKWARD):
+                loop.create_task(self._run([model], [op], _listed(self.single(model, op))))
+            passes = self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
+            if passes and self.batch_window_s > 0:
+                await asyncio.sleep(self.batch_window_s)
+                passes += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
+            groups: dict[tuple[str, str, bool], list[tuple[Model, Op]]] = {}
+            for model, op in passes:
+                payload = op.payload
+                key = (payload["loss"], json.dumps(payload["config"], sort_keys=True), payload["forward_only"])
+                groups.setdefault(key, []).append((model, op))
+            for group in groups.values():
+                loop.create_task(self._run_pass(group))
+
+    def _take_ready(self, wanted: Callable[[Op], bool]) -> list[tuple[Model, Op]]:
+        ready = []
+        for model in self.models.values():
+            if not model.busy and (op := model.waiting.get(model.next_seq)) is not None and wanted(op):
+                del model.waiting[model.next_seq]
+                model.busy = True
+                ready.append((model, op))
+        return ready
+
+    async def _run(self, models: list[Model], ops: list[Op], work: Awaitable[list]) -> None:
+        """Await `work` (one result per op), resolve the ops' futures, then free the models for their next."""
+        try:
+            for op, result in zip(ops, await work, strict=True):
+                _settle(op, result)
+        except Exception as error:  # every failure reaches the client as its request's result
+            failure = as_failure(error)
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(failure)
+        finally:
+            for model in models:
+                model.next_seq += 1
+                model.busy = False
+            self._wake.set()
+
+    async def _run_pass(self, group: list[tuple[Model, Op]]) -> None:
+        models, ops = [model for model, _ in group], [op for _, op in group]
+        log.debug("one pass for %d tenant(s): %d datums", len(ops), sum(len(op.payload["datums"]) for op in ops))
+        self.pass_sizes[len(ops)] += 1
+        self.pass_losses[ops[0].payload["loss"]] += 1
+        await self._run(models, ops, self.run_on_model(lambda: self._shared_pass(models, ops)))
+
+    def _shared_pass(self, models: list[Model], ops: list[Op]) -> list[ForwardResult | RequestFailed]:
+        """One pass over every op's datums; if it fails with several tenants in it, each op alone
+        (from the gradients before it), so that a failure is told only to the op at fault."""
+        payload = ops[0].payload
+        saved = {model.tenant: _gradients(self.policy, model.tenant) for model in models} if len(ops) > 1 else None
+        try:
+            return self._pass(ops, payload)
+        except Exception as error:
+            if saved is None:
+                raise
+            log.warning("a pass of %d tenants failed (%s): each runs alone", len(ops), error)
+            for grads in saved.values():
+                _restore(grads)
+        results: list[ForwardResult | RequestFailed] = []
+        for model, op in zip(models, ops, strict=True):
+            try:
+                results += self._pass([op], payload)
+            except Exception as error:
+                _restore(saved[model.tenant])  # a pass in chunks may have added part of its gradients
+                results.append(as_failure(error))
+        return results
+
+    def _pass(self, ops: list[Op], payload: dict) -> list[ForwardResult]:
+        datums = [datum for op in ops for datum in op.payload["datums"]]
+        results = self.policy.forward_backward(datums, payload["loss"], backward=not payload["forward_only"],
+                                               config=payload["config"])
+        starts = list(itertools.accumulate((len(op.payload["datums"]) for op in ops), initial=0))
+        return [ForwardResult(results[start:end]) for start, end in itertools.pairwise(starts)]
+
+
+def _settle(op: Op, result: Any) -> None:
+    if isinstance(result, RequestFailed):
+        op.future.set_exception(result)
+    else:
+        op.future.set_result(result)
+
+
+def _gradients(policy: TenantPolicy, tenant: str) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    """Each of `tenant`'s parameters with a copy of its gradient so far (None: none yet)."""
+    return [(param, None if param.grad is None else param.grad.clone())
+            for param in policy.parameters(tenant).values()]
+
+
+def _restore(saved: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    for param, grad in saved:
+        param.grad = grad
+
+
+async def _listed(work: Awaitable) -> list:
+    return [await work]
