@@ -1,11 +1,17 @@
 """A Tinker service restarted on the same state root (graft.tenants.service): every saved state is
 served to its owner and to no one else, no session, model or request id of the first run is handed
 out again (a new client must never get a crashed service's model id, whose states it could then
-overwrite), and what saves cut short by a crash left is cleaned up."""
+overwrite), and what saves cut short by a crash left is cleaned up. And the `tinker` CLI's listing
+against it."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import tinker
@@ -51,3 +57,25 @@ def test_a_restarted_service_serves_each_state_to_its_owner_and_reuses_no_id(bas
             assert got == pytest.approx(expected, rel=1e-6)
         with tinker.ServiceClient(base_url=second.url, api_key=BOB) as bob, pytest.raises(tinker.NotFoundError):
             bob.create_training_client_from_state(path).result()
+
+
+def _cli(url: str, key: str, *args: str) -> dict:
+    """The `tinker` CLI (installed with the SDK) against the service, its JSON answer."""
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key}
+    done = subprocess.run([str(Path(sys.executable).parent / "tinker"), "-f", "json", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_the_tinker_cli_lists_and_deletes_a_users_own_checkpoints(base_dir, tmp_path):
+    with _service(base_dir, tmp_path) as running, tinker.ServiceClient(base_url=running.url, api_key=ANN) as ann:
+        training = ann.create_lora_training_client(base_model=str(base_dir), rank=2).result()
+        training.forward_backward([_datum(3)], "cross_entropy").result()
+        path = training.save_state("cli").result().path
+        runs = _cli(running.url, ANN, "run", "list")
+        assert [run["training_run_id"] for run in runs["runs"]] == [training.model_id]
+        assert [c["tinker_path"] for c in _cli(running.url, ANN, "checkpoint", "list")["checkpoints"]] == [path]
+        assert _cli(running.url, BOB, "checkpoint", "list")["checkpoints"] == []
+        assert _cli(running.url, ANN, "checkpoint", "delete", "-y", path)["deleted_count"] == 1
+        assert _cli(running.url, ANN, "checkpoint", "list")["checkpoints"] == []
