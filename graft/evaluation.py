@@ -28,7 +28,7 @@ from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.guard import check_finite_adapter_dir
 from graft.tasks.envs import resolve_env
-from graft.tasks.examples import Example, render_prompt_ids
+from graft.tasks.examples import Example, check_prompts_render, render_prompt_ids
 from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
@@ -65,6 +65,8 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
+    if examples:
+        check_prompts_render(tokenizer, examples[0], config.model.path)
     start = time.perf_counter()
     path = str(Path(adapter_dir).resolve()) if adapter_dir is not None else None
     name = eval_adapter_name(config.lora.name, path) if path is not None else None

@@ -3,7 +3,9 @@ rc 2 before any engine starts; a reward module in a file outside the package tra
 
 import asyncio
 import json
+import shutil
 import textwrap
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -110,3 +112,27 @@ def test_a_reward_module_outside_the_package_trains_on_real_vllm(vllm_server, ba
     # 2 steps x 2 prompts x 4 samples, plus 2 greedy held-out answers before and after: the eval uses the rewards too.
     assert len(calls) == 2 * 2 * 4 + 2 * 2
     assert {c["topic"] for c in calls} <= {"apples", "boats"} and all(c["answer"].isdigit() for c in calls)
+
+
+def _template_removed(base_dir, tmp_path, template: str | None):
+    """A copy of the tiny model whose tokenizer has no chat template, or `template`."""
+    model = Path(shutil.copytree(base_dir, tmp_path / "base-model"))
+    (model / "chat_template.jinja").unlink()
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template)
+    return model
+
+
+@pytest.mark.parametrize("template, error", [
+    (None, "its tokenizer has no chat template (a base model?), and graft renders every prompt through one"),
+    ("{{ raise_exception('roles must alternate') }}",
+     "its chat template fails to render a prompt (TemplateError: roles must alternate)"),
+])
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_tokenizer_that_cannot_render_prompts_is_one_line_before_any_engine_starts(base_dir, tmp_path, capsys,
+                                                                                      template, error, command):
+    model = _template_removed(base_dir, tmp_path, template)
+    code = main([command, "-o", f"model.path={model}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: model.path {model}: " + error), err
+    assert not (tmp_path / "run" / "logs").exists()

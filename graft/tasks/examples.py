@@ -120,6 +120,25 @@ def with_system_prompt(example: Example, system_prompt: str) -> Example:
     return replace(example, prompt=[{"role": "system", "content": system_prompt}, *messages])
 
 
+def check_prompts_render(tokenizer: PreTrainedTokenizerBase, example: Example, model_path) -> None:
+    """One clear error, before any server starts, when `tokenizer` cannot render `example`'s prompt:
+    a base model's tokenizer has no chat template (transformers' own message used to end a run once
+    vLLM was up, ~4 minutes in), or its template fails on the prompt.
+
+    Raises:
+        ValueError: naming model.path and the fix.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"model.path {model_path}: its tokenizer has no chat template (a base model?), and graft "
+                         "renders every prompt through one; use a model that has one (an instruct or chat "
+                         "model), or add a 'chat_template' to its tokenizer_config.json")
+    try:
+        render_prompt_ids(tokenizer, example)
+    except Exception as error:  # a template's own error (jinja's, or one it raises): told as one line
+        raise ValueError(f"model.path {model_path}: its chat template fails to render a prompt "
+                         f"({type(error).__name__}: {_shorten(str(error), 200)})") from None
+
+
 def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, example: Example) -> list[int]:
     """Token ids of the prompt as the policy sees it: its messages (a string prompt is one user
     turn) in the chat template, then the opened assistant turn the model completes.

@@ -18,7 +18,7 @@ from graft.rollout.engine import RolloutEngine, SamplingParams
 from graft.rollout.episodes import EpisodeLimits
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.envs import EnvFactory, resolve_env
-from graft.tasks.examples import Example
+from graft.tasks.examples import Example, check_prompts_render
 from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 from graft.tasks.scoring import Scorer
@@ -46,8 +46,9 @@ def load_train_task(config: GraftConfig) -> TrainTask:
     env = resolve_env(config.data.env) if config.data.env is not None else None
     scorer, eval_scorer = (None, None) if env else (load_scorer(config.data), load_eval_scorer(config.data))
     train_set, eval_set = load_task_data(config.data)
-    return TrainTask(train_set, eval_set[: config.train.eval_examples], load_tokenizer(config.model.path), scorer,
-                     eval_scorer, env)
+    tokenizer = load_tokenizer(config.model.path)
+    check_prompts_render(tokenizer, train_set[0], config.model.path)
+    return TrainTask(train_set, eval_set[: config.train.eval_examples], tokenizer, scorer, eval_scorer, env)
 
 
 class BatchMaker:
