@@ -68,9 +68,29 @@ def cmd_config(args: argparse.Namespace) -> None:
     else:
         load_scorer(config.data)
         load_eval_scorer(config.data)
+    _check_local_model_renders_prompts(config)
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")
+
+
+def _check_local_model_renders_prompts(config) -> None:
+    """`graft train`'s prompt check (`check_prompts_render`) where model.path is a model directory
+    already here and the data loads; a packaged name or a .gguf is checked by train and eval, after it
+    is fetched or converted (minutes), which a config check must not do, and data that does not load
+    here (a config written for another machine) is train's to report."""
+    from graft.models.loading import load_tokenizer
+    from graft.tasks.examples import check_prompts_render
+    from graft.tasks.registry import load_task_data
+
+    path = config.model.path
+    if path is None or not (Path(path) / "tokenizer_config.json").is_file():
+        return
+    try:
+        train_set, _ = load_task_data(config.data)
+    except (ValueError, OSError):
+        return
+    check_prompts_render(load_tokenizer(path), train_set[0], path)
 
 
 def cmd_train(args: argparse.Namespace) -> None:

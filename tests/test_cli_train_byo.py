@@ -136,3 +136,11 @@ def test_a_tokenizer_that_cannot_render_prompts_is_one_line_before_any_engine_st
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: model.path {model}: " + error), err
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_graft_config_refuses_a_local_model_that_cannot_render_prompts(base_dir, tmp_path, capsys):
+    model = _template_removed(base_dir, tmp_path, None)
+    assert main(["config", "-o", f"model.path={model}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"graft: error: model.path {model}: its tokenizer has no chat"), err
+    assert main(["config", "-o", f"model.path={base_dir}"]) == 0
