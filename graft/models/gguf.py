@@ -64,7 +64,9 @@ def converted_dir(gguf: str | os.PathLike, cache_dir: Path | None = None, log=No
     if not (target / DONE).is_file():
         architecture = check_gguf(gguf)
         if log is not None:
-            log(f"converting {gguf.name} ({architecture}) to a Hugging Face directory at {target}")
+            log(f"converting {gguf.name} ({architecture}, {gguf.stat().st_size / 2**20:.0f} MiB) to a Hugging Face "
+                f"directory at {target}: once per file, ~20 s for SmolLM2-135M and ~2 min for Gemma 3 270M on "
+                "2 CPU cores")
         _convert(gguf, architecture, target)
     return target
 

@@ -4,6 +4,7 @@ Face cache), and dtype names."""
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +42,12 @@ def resolve_dtype(name: str) -> torch.dtype:
 _HUB_ID_RE = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
 
+def _say(message: str) -> None:
+    """A long phase told on stderr as it starts: a GGUF's first conversion ran ~2 minutes in silence
+    (Gemma 3 270M here) before a run said anything."""
+    print(f"graft: {message}", file=sys.stderr, flush=True)
+
+
 def resolve_model_path(path: str | Path) -> Path:
     """The local directory for `path`: the cached HF conversion of a GGUF file (`path` names a
     .gguf file or a directory holding one; see `graft.models.gguf`), `path` itself when it exists
@@ -57,7 +64,7 @@ def resolve_model_path(path: str | Path) -> Path:
     """
     gguf = gguf_file(path)
     if gguf is not None:
-        return converted_dir(gguf)
+        return converted_dir(gguf, log=_say)
     local = Path(path)
     if local.exists() or not _HUB_ID_RE.match(str(path)):
         return local

@@ -91,7 +91,7 @@ def test_a_bad_gguf_is_one_line_before_any_server(tmp_path, capsys, monkeypatch,
     bad = tmp_path / "model.gguf"
     make(bad)
     code = main(["eval", "-o", f"model.path={bad}", "--run-dir", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("graft: converting")]
     assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: {bad}") and message in err[0], err
     assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
     assert not list((tmp_path / "cache").glob("gguf/*"))  # nothing half-converted is left in the cache
@@ -101,3 +101,18 @@ def test_a_missing_gguf_is_one_line(tmp_path, capsys):
     code = main(["eval", "-o", f"model.path={tmp_path / 'absent.gguf'}", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"graft: error: GGUF file {tmp_path / 'absent.gguf'} does not exist"]
+
+
+def test_a_first_conversion_says_what_it_does_before_it_starts(tmp_path, capsys, monkeypatch):
+    """Converting runs once per file and takes minutes for a larger model: it is told on stderr first."""
+    import graft.models.gguf as gguf_module
+    from graft.models.loading import resolve_model_path
+
+    write_gguf(tmp_path / "m.gguf", "llama")
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
+    converted = []
+    monkeypatch.setattr(gguf_module, "_convert", lambda gguf, arch, target: converted.append((gguf, arch, target)))
+    target = resolve_model_path(tmp_path / "m.gguf")
+    assert converted == [(tmp_path / "m.gguf", "llama", target)]
+    err = capsys.readouterr().err
+    assert err.startswith("graft: converting m.gguf (llama, 0 MiB) to a Hugging Face directory at ") and "once" in err
