@@ -8,6 +8,7 @@ limit (the `graft tenants serve` flag that sets it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def datum_of(tenant: str, wire: WireDatum, index: int, bounds: Bounds) -> Datum:
 
     Raises:
         RequestFailed: targets that are not the inputs shifted by one, per-position inputs of another
-            length, token ids outside the vocabulary, or more tokens than a datum may hold.
+            length or not finite, token ids outside the vocabulary, or more tokens than a datum may hold.
     """
     count = len(wire.tokens)
     if count + 1 > bounds.datum_tokens:
@@ -98,6 +99,8 @@ def datum_of(tenant: str, wire: WireDatum, index: int, bounds: Bounds) -> Datum:
             raise RequestFailed(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(tensor.shape)}, "
                                 f"need [{count}] (one value per input token)")
         inputs[key] = [float(value) for value in tensor.values]
+        if not all(math.isfinite(value) for value in inputs[key]):
+            raise RequestFailed(f"datum {index}: loss_fn_inputs[{key!r}] holds a value that is not finite")
     return Datum(tenant, tokens, inputs)
 
 

@@ -134,8 +134,8 @@ def test_datum_request_and_holding_limits_each_refused_with_one_line(running, ba
 
 
 def test_one_users_bad_datums_never_fail_anothers_pass(running, base_dir):
-    """20 rounds: ann's good datum and bob's bad one (a token outside the vocabulary, or no weights)
-    sent at the same time; ann's loss each round is what her datum alone gives."""
+    """20 rounds: ann's good datum and bob's bad one (a token outside the vocabulary, no weights, or a
+    NaN weight) sent at the same time; ann's loss each round is what her datum alone gives."""
     vocab = running.service.policy.model.get_input_embeddings().num_embeddings
     rng = random.Random(0)
     with (tinker.ServiceClient(base_url=running.url, api_key=ANN) as ann,
@@ -145,7 +145,8 @@ def test_one_users_bad_datums_never_fail_anothers_pass(running, base_dir):
         tokens = [rng.randrange(3, 200) for _ in range(12)]
         expected = good.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"]
         for round_ in range(20):
-            bad_datum = _datum([*tokens[:-1], vocab + round_]) if round_ % 2 else _datum(tokens, weights=False)
+            bad_datum = [_datum([*tokens[:-1], vocab + round_]), _datum(tokens, weights=False),
+                         _nan_weighted(tokens)][round_ % 3]
             errors: list[Exception] = []
             thread = threading.Thread(target=_expect_refusal, args=(bad, bad_datum, errors))
             thread.start()
@@ -153,6 +154,11 @@ def test_one_users_bad_datums_never_fail_anothers_pass(running, base_dir):
             thread.join(60)
             assert got == pytest.approx(expected, rel=1e-6), f"round {round_}"
             assert len(errors) == 1 and isinstance(errors[0], tinker.BadRequestError), errors
+
+
+def _nan_weighted(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [float("nan")] * (len(tokens) - 1)})
 
 
 def _expect_refusal(training, datum, errors: list) -> None:
