@@ -60,6 +60,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_config(args: argparse.Namespace) -> None:
     from graft.config import config_to_yaml, load_config, save_config
     from graft.tasks.envs import resolve_env
+    from graft.tasks.registry import check_local_model_prompts
     from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 
     config = load_config(args.config, args.override)
@@ -68,29 +69,10 @@ def cmd_config(args: argparse.Namespace) -> None:
     else:
         load_scorer(config.data)
         load_eval_scorer(config.data)
-    _check_local_model_renders_prompts(config)
+    check_local_model_prompts(config.model.path, config.data)
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")
-
-
-def _check_local_model_renders_prompts(config) -> None:
-    """`graft train`'s prompt check (`check_prompts_render`) where model.path is a model directory
-    already here and the data loads; a packaged name or a .gguf is checked by train and eval, after it
-    is fetched or converted (minutes), which a config check must not do, and data that does not load
-    here (a config written for another machine) is train's to report."""
-    from graft.models.loading import load_tokenizer
-    from graft.tasks.examples import check_prompts_render
-    from graft.tasks.registry import load_task_data
-
-    path = config.model.path
-    if path is None or not (Path(path) / "tokenizer_config.json").is_file():
-        return
-    try:
-        train_set, _ = load_task_data(config.data)
-    except (ValueError, OSError):
-        return
-    check_prompts_render(load_tokenizer(path), train_set[0], path)
 
 
 def cmd_train(args: argparse.Namespace) -> None:

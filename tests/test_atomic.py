@@ -52,8 +52,7 @@ def test_atomic_dir_overwrite_replaces_the_whole_directory_or_nothing(tmp_path):
             (tmp / "weights").write_text("half")
             raise RuntimeError("writer died")
     assert _entries(target) == ["old-only", "weights"] and (target / "weights").read_text() == "old"
-    with atomic_dir(target, overwrite=True) as tmp:
-        (tmp / "weights").write_text("new")
+    _save(target, "new")
     assert _entries(target) == ["weights"] and (target / "weights").read_text() == "new"
     assert _entries(tmp_path) == ["adapter"]  # no .old- or .tmp- directory left
 
@@ -193,6 +192,12 @@ def test_atomic_dir_fallback_killed_between_its_renames_is_put_back_by_the_sweep
     assert _entries(tmp_path) == ["adapter"] and _contents(tmp_path / "adapter") == (left or OLD)
 
 
+def _save(target, text: str) -> None:
+    """`text` as `target`'s one file, written through `atomic_dir` (overwriting what is there)."""
+    with atomic_dir(target, overwrite=True) as tmp:
+        (tmp / "weights").write_text(text)
+
+
 def _fake_renameat2(code: int):
     def renameat2(*args):
         ctypes.set_errno(code)
@@ -204,43 +209,36 @@ def _fake_renameat2(code: int):
                          ids=["filesystem-EINVAL", "kernel-ENOSYS", "no-libc-function"])
 def test_atomic_dir_overwrites_by_two_renames_where_no_exchange_is_available(tmp_path, monkeypatch, renameat2):
     target = tmp_path / "adapter"
-    with atomic_dir(target) as tmp:
-        (tmp / "weights").write_text("old")
+    _save(target, "old")
     monkeypatch.setattr(atomic, "_renameat2", renameat2)
     renamed = []
     real_replace = os.replace
     monkeypatch.setattr(atomic.os, "replace", lambda a, b: renamed.append(Path(b).name) or real_replace(a, b))
-    with atomic_dir(target, overwrite=True) as tmp:
-        (tmp / "weights").write_text("new")
+    _save(target, "new")
     assert renamed == ["adapter", "adapter"]  # the old aside (into its .old- holder), then the new in
     assert _entries(tmp_path) == ["adapter"] and (target / "weights").read_text() == "new"
 
 
 def test_atomic_dir_overwrite_exchanges_without_any_plain_rename(tmp_path, monkeypatch):
     target = tmp_path / "adapter"
-    with atomic_dir(target) as tmp:
-        (tmp / "weights").write_text("old")
+    _save(target, "old")
     monkeypatch.setattr(atomic.os, "replace", lambda a, b: pytest.fail("a plain rename, not an exchange"))
-    with atomic_dir(target, overwrite=True) as tmp:
-        (tmp / "weights").write_text("new")
+    _save(target, "new")
     assert _entries(tmp_path) == ["adapter"] and (target / "weights").read_text() == "new"
 
 
 def test_atomic_dir_exchange_failing_otherwise_raises_and_keeps_the_old(tmp_path, monkeypatch):
     target = tmp_path / "adapter"
-    with atomic_dir(target) as tmp:
-        (tmp / "weights").write_text("old")
+    _save(target, "old")
     monkeypatch.setattr(atomic, "_renameat2", _fake_renameat2(errno.EACCES))
     with pytest.raises(PermissionError, match="adapter"):
-        with atomic_dir(target, overwrite=True) as tmp:
-            (tmp / "weights").write_text("new")
+        _save(target, "new")
     assert _entries(tmp_path) == ["adapter"] and (target / "weights").read_text() == "old"
 
 
 def test_atomic_dir_fallback_whose_second_rename_fails_puts_the_old_back(tmp_path, monkeypatch):
     target = tmp_path / "adapter"
-    with atomic_dir(target) as tmp:
-        (tmp / "weights").write_text("old")
+    _save(target, "old")
     monkeypatch.setattr(atomic, "_renameat2", None)
     real_replace, calls = os.replace, []
 
@@ -252,8 +250,7 @@ def test_atomic_dir_fallback_whose_second_rename_fails_puts_the_old_back(tmp_pat
 
     monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises(OSError, match="I/O error"):
-        with atomic_dir(target, overwrite=True) as tmp:
-            (tmp / "weights").write_text("new")
+        _save(target, "new")
     assert _entries(tmp_path) == ["adapter"] and (target / "weights").read_text() == "old"
 
 

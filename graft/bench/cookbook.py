@@ -111,14 +111,13 @@ def run_recipes(model_dir: Path, base_url: str, key: str, site: Path, out: Path,
 
 def measure(args: argparse.Namespace, console: Console) -> dict:
     """Launch vLLM and the Tinker service, run the recipes; the per-tenant rewards and pass sizes."""
-    import contextlib
+    import functools
 
     from graft.models.cache import default_cache_dir
     from graft.models.packaged import base_model_dir
-    from graft.rollout.vllm.client import VllmClient
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
     from graft.tenants.background import ServiceThread
-    from graft.tenants.command import tenant_service
+    from graft.tenants.command import served_tenants
 
     site = cookbook_site(default_cache_dir(), console)
     model_dir = base_model_dir(args.model, log=lambda message: console.print(message))
@@ -131,12 +130,8 @@ def measure(args: argparse.Namespace, console: Console) -> dict:
     with console.status(f"starting vLLM for {model_dir}"):
         server = VllmServer(config).__enter__()
     try:
-        @contextlib.asynccontextmanager
-        async def service():
-            async with VllmClient(server.url) as engine, tenant_service(
-                    model_dir, engine, run_dir=out / "service", max_loras=slots, max_rank=args.rank) as running:
-                yield running
-
+        service = functools.partial(served_tenants, server.url, model_dir, run_dir=out / "service", max_loras=slots,
+                                    max_rank=args.rank)
         with ServiceThread(service, key) as running:
             start = time.perf_counter()
             per_tenant = run_recipes(model_dir, running.url, key, site, out, args, console)

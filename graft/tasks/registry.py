@@ -7,12 +7,13 @@ run its (train, held-out) examples: a built-in task looked up by name, or data f
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 from graft.config import DataConfig
 from graft.tasks.arithmetic import arithmetic_task
 from graft.tasks.envs.calculator import calculator_task
 from graft.tasks.envs.guessing import guessing_task
-from graft.tasks.examples import Example, load_examples, with_system_prompt
+from graft.tasks.examples import Example, check_prompts_render, load_examples, with_system_prompt
 
 # name -> factory returning (train, held-out), called with its defaults by a run. The environments'
 # tasks (calculator, guessing) share their environment's name (`graft.tasks.envs.ENVS`).
@@ -63,3 +64,19 @@ def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example
         train = [with_system_prompt(ex, system) for ex in train]
         held_out = [with_system_prompt(ex, system) for ex in held_out]
     return train, held_out
+
+
+def check_local_model_prompts(model_path: str | None, data: DataConfig) -> None:
+    """`graft config`'s part of train's prompt check (`check_prompts_render`): where `model_path` is a
+    model directory already here and the data loads. A packaged name or a .gguf is checked by train
+    and eval, after it is fetched or converted (minutes), which a config check must not do, and data
+    that does not load here (a config written for another machine) is train's to report."""
+    from graft.models.loading import load_tokenizer
+
+    if model_path is None or not (Path(model_path) / "tokenizer_config.json").is_file():
+        return
+    try:
+        train_set, _ = load_task_data(data)
+    except (ValueError, OSError):
+        return
+    check_prompts_render(load_tokenizer(model_path), train_set[0], model_path)

@@ -59,11 +59,19 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
         await service.close()
 
 
+@contextlib.asynccontextmanager
+async def served_tenants(url: str, model_dir: Path, *, api_key: str | None = None, **settings) -> AsyncIterator:
+    """`tenant_service` with its versions served by the vLLM server at `url` (`settings`: its keywords)."""
+    from graft.rollout.vllm.client import VllmClient
+
+    async with VllmClient(url, api_key=api_key) as engine, tenant_service(model_dir, engine, **settings) as service:
+        yield service
+
+
 async def _serve(args: argparse.Namespace, users: Users) -> None:
     import uvicorn
 
     from graft.models.packaged import base_model_dir
-    from graft.rollout.vllm.client import VllmClient
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
     from graft.tenants.api import build_app
 
@@ -77,9 +85,9 @@ async def _serve(args: argparse.Namespace, users: Users) -> None:
                 model=str(model_dir), dtype=args.dtype, max_lora_rank=args.max_rank, max_loras=args.max_loras,
                 log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV)))
             url = server.url
-        async with VllmClient(url, api_key=engine_key) as engine, tenant_service(
-                model_dir, engine, run_dir=args.run_dir, max_loras=args.max_loras, max_rank=args.max_rank,
-                keep_versions=args.keep_versions, dtype=args.dtype, limits=limits_of(args)) as service:
+        async with served_tenants(url, model_dir, api_key=engine_key, run_dir=args.run_dir, max_loras=args.max_loras,
+                                  max_rank=args.max_rank, keep_versions=args.keep_versions, dtype=args.dtype,
+                                  limits=limits_of(args)) as service:
             # A stop waits at most STOP_GRACE_S for open requests: a retrieve_future long poll holds its
             # connection up to 25 s, and a SIGTERM'd service took 24 s to exit behind one (measured).
             config = uvicorn.Config(build_app(service, users), host=args.host, port=args.port, log_level="warning",

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from graft.atomic import fsync_dir
+from graft.tenants.checkpoint import tenant_spec
 from graft.tenants.fields import Fields
 from graft.tenants.futures import NotFound, RequestFailed
 
@@ -92,8 +93,6 @@ class Listing:
                 "last_sampler_checkpoint": sampler[-1] if sampler else None}
 
     def _saved_rank(self, user: str, run: str, training: list[dict]) -> int | None:
-        from graft.tenants.checkpoint import tenant_spec
-
         if not training:
             return None
         try:

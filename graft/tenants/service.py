@@ -188,7 +188,7 @@ class TenantService:
         model = self._new_model(owner, session_id, model_seq_id, rank)
         spec = TenantSpec(model.tenant, rank=rank, alpha=float(rank), target_modules=targets,
                           seed=len(self.models) if seed is None else seed)
-        model.created_by = self._job(owner, self.run_on_model(functools.partial(self._add_tenant, spec, model)))
+        model.created_by = self.futures.job(owner, self.run_on_model(functools.partial(self._add_tenant, spec, model)))
         return model.created_by
 
     def create_model_from_state(self, owner: str, session_id: str, model_seq_id: int, path: str,
@@ -207,7 +207,7 @@ class TenantService:
                                                                with_optimizer=with_optimizer))
             return {"path": path, "model_id": model.model_id}
 
-        model.created_by = self._job(owner, self.run_on_model(add_and_load))
+        model.created_by = self.futures.job(owner, self.run_on_model(add_and_load))
         return model.created_by
 
     def _created(self, owner: str, session_id: str, model_seq_id: int) -> str | None:
@@ -300,9 +300,6 @@ class TenantService:
         if session is None or session.owner != owner or session.finished:
             raise NotFound(f"unknown session {session_id!r}")
         return session
-
-    def _job(self, owner: str, work) -> str:
-        return self.futures.job(owner, work)
 
     # ordered operations
 

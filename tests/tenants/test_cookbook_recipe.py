@@ -7,7 +7,7 @@ model.)"""
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import json
 import math
 import os
@@ -24,7 +24,7 @@ from graft.models.cache import default_cache_dir
 from graft.rollout.vllm.client import VllmClient
 from graft.tenants.background import ServiceThread
 from graft.tenants.checkpoint import OPTIMIZER
-from graft.tenants.command import tenant_service
+from graft.tenants.command import served_tenants
 from graft.tenants.users import SINGLE_USER
 
 pytestmark = pytest.mark.vllm
@@ -36,11 +36,8 @@ def test_two_cookbook_recipes_at_once_train_against_the_service(base_dir, vllm_s
     console = Console(stderr=True)
     site = cookbook_site(default_cache_dir(), console)
 
-    @contextlib.asynccontextmanager
-    async def service():
-        async with VllmClient(vllm_server.url) as engine, tenant_service(
-                base_dir, engine, run_dir=tmp_path / "service", max_loras=4, max_rank=8) as made:
-            yield made
+    service = functools.partial(served_tenants, vllm_server.url, base_dir, run_dir=tmp_path / "service",
+                                max_loras=4, max_rank=8)
 
     args = argparse.Namespace(tenants=2, steps=STEPS, groups=2, group_size=4, rank=8, learning_rate=1e-3,
                               max_tokens=4, loss_fn="cispo,dro")
@@ -67,11 +64,8 @@ def test_the_cookbooks_supervised_loop_trains_against_the_service(base_dir, vllm
     """The cookbook's supervised loop (its sl_basic recipe's) on the cookbook's example conversations."""
     site = cookbook_site(default_cache_dir(), Console(stderr=True))
 
-    @contextlib.asynccontextmanager
-    async def service():
-        async with VllmClient(vllm_server.url) as engine, tenant_service(
-                base_dir, engine, run_dir=tmp_path / "service", max_loras=4, max_rank=8) as made:
-            yield made
+    service = functools.partial(served_tenants, vllm_server.url, base_dir, run_dir=tmp_path / "service",
+                                max_loras=4, max_rank=8)
 
     with ServiceThread(service, API_KEY) as running:
         env = {**os.environ, "TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",

@@ -7,7 +7,7 @@ left with no adapter loaded."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import random
 import re
 
@@ -17,9 +17,8 @@ import tinker
 import torch
 from tinker import types
 
-from graft.rollout.vllm.client import VllmClient
 from graft.tenants.background import ServiceThread
-from graft.tenants.command import tenant_service
+from graft.tenants.command import served_tenants
 from graft.tenants.users import Users
 
 pytestmark = pytest.mark.vllm
@@ -32,11 +31,7 @@ NEVER = {"session": "session-0123456789abcdef", "model": "session-0123456789abcd
 def running(base_dir, vllm_server, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tenants-isolation")
 
-    @contextlib.asynccontextmanager
-    async def service():
-        async with VllmClient(vllm_server.url) as engine, tenant_service(
-                base_dir, engine, run_dir=run_dir, max_loras=4, max_rank=8) as made:
-            yield made
+    service = functools.partial(served_tenants, vllm_server.url, base_dir, run_dir=run_dir, max_loras=4, max_rank=8)
 
     with ServiceThread(service, Users({"ann": ANN, "bob": BOB})) as running:
         yield running
@@ -214,12 +209,8 @@ def test_one_users_flood_of_samples_does_not_hold_anothers_behind_it(base_dir, v
 
     from graft.tenants.users import Limits
 
-    @contextlib.asynccontextmanager
-    async def service():
-        async with VllmClient(vllm_server.url) as engine, tenant_service(
-                base_dir, engine, run_dir=tmp_path, max_loras=4, max_rank=8,
-                limits=Limits(engine_per_user=2)) as made:
-            yield made
+    service = functools.partial(served_tenants, vllm_server.url, base_dir, run_dir=tmp_path, max_loras=4,
+                                max_rank=8, limits=Limits(engine_per_user=2))
 
     prompt = types.ModelInput.from_ints([5, 6, 7, 8])
     with (ServiceThread(service, Users({"ann": ANN, "bob": BOB})) as running,

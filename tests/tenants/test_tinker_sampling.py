@@ -8,7 +8,7 @@ with no adapter loaded."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import math
 import random
 
@@ -19,7 +19,7 @@ from tinker import types
 from graft.rollout.vllm.client import VllmClient
 from graft.sync.verify import DEFAULT_TOLERANCE
 from graft.tenants.background import ServiceThread
-from graft.tenants.command import tenant_service
+from graft.tenants.command import served_tenants
 
 pytestmark = pytest.mark.vllm
 API_KEY = "tml-graft-sampling-tests"
@@ -31,11 +31,7 @@ PROMPT = [5, 17, 200, 33, 9, 41, 77]
 def running(base_dir, vllm_server, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tenants-sampling")
 
-    @contextlib.asynccontextmanager
-    async def service():
-        async with VllmClient(vllm_server.url) as engine, tenant_service(
-                base_dir, engine, run_dir=run_dir, max_loras=4, max_rank=8) as made:
-            yield made
+    service = functools.partial(served_tenants, vllm_server.url, base_dir, run_dir=run_dir, max_loras=4, max_rank=8)
 
     with ServiceThread(service, API_KEY) as running:
         yield running
