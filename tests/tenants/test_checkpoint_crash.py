@@ -41,6 +41,7 @@ SPEC = TenantSpec("alice", rank=8, alpha=16, seed=1)
 TRIES = 20
 FIRST_SECONDS = 0.002  # the first kill, this long after the fork at most: before any save has finished
 SPAN_SECONDS = 0.02  # the others, this long after the worker's first save at most: ~6 ms a save, so ~3 more
+KILLED_WORKER_SECONDS = 300.0  # how long a killed worker may take to end (see _kill_one)
 
 
 def _policy(base_dir) -> TenantPolicy:
@@ -157,14 +158,26 @@ class _Lines:
             self._lines.put(line)
         self._lines.put("")
 
-    def next(self, timeout: float = 60.0) -> str:
+    def next(self, timeout: float = 60.0, worker: int | None = None) -> str:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"the fork server said nothing for {timeout:.0f} s; its stderr:\n"
-                                 f"{self.stderr_path.read_text()[-4000:]}") from None
+            raise AssertionError(f"the fork server said nothing for {timeout:.0f} s; {_process_state(worker)}"
+                                 f"its stderr:\n{self.stderr_path.read_text()[-4000:]}") from None
         assert line, f"the fork server ended; its stderr:\n{self.stderr_path.read_text()[-4000:]}"
         return line
+
+
+def _process_state(pid: int | None) -> str:
+    """The worker's scheduler state and kernel wait channel ('D' in fsync, say), for a failure message."""
+    if pid is None:
+        return ""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if line.startswith("State:"))
+        return f"worker {pid} {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}; "
+    except (OSError, StopIteration):
+        return f"worker {pid} is gone; "
 
 
 def _kill_one(server: subprocess.Popen, lines: _Lines, delay: float, *, after_a_save: bool) -> None:
@@ -177,7 +190,10 @@ def _kill_one(server: subprocess.Popen, lines: _Lines, delay: float, *, after_a_
         assert lines.next().startswith("saved"), "the worker did not save"
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
-    while not (line := lines.next()).startswith("ended"):
+    # A SIGKILLed worker ends once its running system call returns: an fsync behind a busy disk's
+    # journal commit (ext4 flushes other files' dirty data first) is not interruptible, and on CI,
+    # after the suite's model conversions, one took over 60 s; a hung fork server would still fail.
+    while not (line := lines.next(timeout=KILLED_WORKER_SECONDS, worker=pid)).startswith("ended"):
         assert line.startswith("saved"), f"unexpected line from the fork server: {line!r}"
     status = int(line.removeprefix("ended "))
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"worker ended with {status}"
