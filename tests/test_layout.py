@@ -1,6 +1,8 @@
-"""The layout is the architecture: imports point one way (README's "Where things live" order), the
-math (`lora/`, `rl/`) never imports torch.distributed, and files stay small enough to read."""
+"""The layout is the architecture: imports point one way (README's "Where things live" order), no
+module imports itself through others, the math (`lora/`, `rl/`) never imports torch.distributed, and
+files stay small enough to read."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -28,6 +30,69 @@ def test_imports_point_one_way():
         upward += [f"{path.relative_to(GRAFT)} imports graft.{m}" for m in IMPORT.findall(path.read_text())
                    if rank[m] > rank[layer]]
     assert upward == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(GRAFT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The graft modules `path` imports, at its top or inside a function (a lazy import closes a
+    circle as well): `from graft.a import b` is graft.a.b where that is a module, else graft.a."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                      for alias in node.names} & modules
+    return found - {_module_name(path)}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circle():
+    paths = {_module_name(p): p for p in GRAFT.rglob("*.py")}
+    graph = {name: _imported_modules(path, set(paths)) for name, path in paths.items()}
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_math_packages_import_no_torch_distributed():

@@ -157,12 +157,9 @@ def summarise(result: dict, window: int) -> dict:
 
 
 def plot_rewards(result: dict, path: Path) -> Path:
-    import matplotlib
+    from graft.bench.common import pyplot, save_figure  # torch and vLLM's client: only once there is a plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name, series in result["rewards"].items():
         ax.plot(range(1, len(series) + 1), series, "o-", label=name)
     settings = result["settings"]
@@ -174,9 +171,7 @@ def plot_rewards(result: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")  # the SDK's losses that the RL recipe trains with

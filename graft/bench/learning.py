@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.bench.common import pyplot, save_figure
 from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
 from graft.config import GraftConfig
 from graft.config.arguments import COUNT, SEED
@@ -178,12 +179,7 @@ def per_batch_gaps(result: dict) -> list[dict]:
 
 
 def plot_learning(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     lines = {}
     for side, style in (("graft", "o-"), ("trl", "s--")):
         points = race(result[side]["points"])
@@ -202,9 +198,7 @@ def plot_learning(result: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def print_learning_report(result: dict) -> None:

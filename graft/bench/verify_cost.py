@@ -77,7 +77,7 @@ async def shape_checks(url: str, base: Path, work: Path, rank: int) -> list[floa
     of a new version."""
     import time
 
-    from graft.bench.sync import adapter_bench_sync, new_policy_weights
+    from graft.bench.common import adapter_bench_sync, new_policy_weights
     from graft.lora.attach import attach_lora
     from graft.models.loading import load_model
     from graft.rollout.vllm.client import VllmClient
@@ -100,7 +100,7 @@ async def shape_checks(url: str, base: Path, work: Path, rank: int) -> list[floa
 
 
 def _shape_part(console: Console) -> dict:
-    from graft.bench.sync import SHAPES, bench_server
+    from graft.bench.common import SHAPES, bench_server
 
     with tempfile.TemporaryDirectory(prefix="graft-bench-verify-shape-") as tmp:
         with bench_server(SHAPES[SHAPE], Path(tmp), SHAPES[SHAPE].rank, console) as (base, server):

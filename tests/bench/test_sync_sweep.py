@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from graft.bench.sync import SHAPES, qwen2_config
+from graft.bench.common import SHAPES, qwen2_config
 from graft.bench.sync_sweep import (
     FLOORS,
     MODES,
