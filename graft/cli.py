@@ -69,7 +69,7 @@ def cmd_config(args: argparse.Namespace) -> None:
     else:
         load_scorer(config.data)
         load_eval_scorer(config.data)
-    check_local_model_prompts(config.model.path, config.data)
+    check_local_model_prompts(config)
     if args.save:
         save_config(config, args.save)
     print(config_to_yaml(config), end="")

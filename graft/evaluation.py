@@ -28,7 +28,8 @@ from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
 from graft.sync.guard import check_finite_adapter_dir
 from graft.tasks.envs import resolve_env
-from graft.tasks.examples import Example, check_prompts_render, render_prompt_ids
+from graft.tasks.examples import Example
+from graft.tasks.prompts import CHAT, PromptFormat, run_prompt_format
 from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer
 from graft.tasks.rewards import exact_numeric
@@ -38,14 +39,15 @@ EVAL_ADAPTER_SUFFIX = "eval"
 
 
 async def evaluate(engine: RolloutEngine, adapter: str | None, examples: list[Example], tokenizer,
-                   max_new_tokens: int, scorer: Scorer | None = None) -> float:
-    """Mean score of the greedy completions (served as `adapter`) of `examples`: with the default
-    scorer (exact_numeric), the fraction that ends with the right number."""
+                   max_new_tokens: int, scorer: Scorer | None = None, prompts: PromptFormat = CHAT) -> float:
+    """Mean score of the greedy completions (served as `adapter`) of `examples`, rendered and ended
+    as `prompts` says: with the default scorer (exact_numeric), the fraction that ends with the right
+    number."""
     scorer = scorer or Scorer([RewardTerm("exact_numeric", exact_numeric)])
-    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
-    requests = [GenerateRequest(tuple(render_prompt_ids(tokenizer, ex)), params) for ex in examples]
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, stop=prompts.stop)
+    requests = [GenerateRequest(tuple(prompts.ids(tokenizer, ex)), params) for ex in examples]
     completions_P = await engine.generate(requests, adapter=adapter)
-    texts = [tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions_P]
+    texts = [prompts.completion_text(tokenizer, c[0].token_ids) for c in completions_P]
     scores = await scorer(texts, examples)
     return sum(scores.rewards) / len(examples)
 
@@ -65,8 +67,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
     _, eval_set = load_task_data(config.data)
     examples = eval_set[: config.train.eval_examples]
     tokenizer = load_tokenizer(config.model.path)
-    if examples:
-        check_prompts_render(tokenizer, examples[0], config.model.path)
+    prompts = run_prompt_format(config, tokenizer, examples)
     start = time.perf_counter()
     path = str(Path(adapter_dir).resolve()) if adapter_dir is not None else None
     name = eval_adapter_name(config.lora.name, path) if path is not None else None
@@ -79,7 +80,7 @@ async def run_eval(config: GraftConfig, run_dir: str | Path, adapter_dir: str | 
                                                    config.rollout.max_new_tokens, EpisodeLimits.of(config))
             else:
                 accuracy = await evaluate(engine, adapter, examples, tokenizer, config.rollout.max_new_tokens,
-                                          scorer)
+                                          scorer, prompts)
     return {"accuracy": accuracy, "examples": len(examples), "adapter": str(adapter_dir) if adapter_dir else None,
             "model": config.model.path, "seconds": time.perf_counter() - start}
 

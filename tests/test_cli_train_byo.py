@@ -124,7 +124,8 @@ def _template_removed(base_dir, tmp_path, template: str | None):
 
 
 @pytest.mark.parametrize("template, error", [
-    (None, "its tokenizer has no chat template (a base model?), and graft renders every prompt through one"),
+    (None, "its tokenizer has no chat template (a base model?), and data.prompt_format is chat: set "
+     "data.prompt_format to text (or auto)"),
     ("{{ raise_exception('roles must alternate') }}",
      "its chat template fails to render a prompt (TemplateError: roles must alternate)"),
 ])
@@ -132,7 +133,8 @@ def _template_removed(base_dir, tmp_path, template: str | None):
 def test_a_tokenizer_that_cannot_render_prompts_is_one_line_before_any_engine_starts(base_dir, tmp_path, capsys,
                                                                                       template, error, command):
     model = _template_removed(base_dir, tmp_path, template)
-    code = main([command, "-o", f"model.path={model}", "--run-dir", str(tmp_path / "run")])
+    code = main([command, "-o", f"model.path={model}", "-o", "data.prompt_format=chat",
+                 "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"graft: error: model.path {model}: " + error), err
     assert not (tmp_path / "run" / "logs").exists()
@@ -140,7 +142,28 @@ def test_a_tokenizer_that_cannot_render_prompts_is_one_line_before_any_engine_st
 
 def test_graft_config_refuses_a_local_model_that_cannot_render_prompts(base_dir, tmp_path, capsys):
     model = _template_removed(base_dir, tmp_path, None)
-    assert main(["config", "-o", f"model.path={model}"]) == 2
+    assert main(["config", "-o", f"model.path={model}", "-o", "data.prompt_format=chat"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"graft: error: model.path {model}: its tokenizer has no chat"), err
-    assert main(["config", "-o", f"model.path={base_dir}"]) == 0
+    assert main(["config", "-o", f"model.path={model}"]) == 0  # auto: text prompts
+    assert main(["config", "-o", f"model.path={base_dir}", "-o", "rollout.max_new_tokens=2040"]) == 2
+    assert "exceed the context of 2048 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_a_base_model_trains_on_text_prompts_on_real_vllm(vllm_server, base_dir, tmp_path, monkeypatch):
+    """A tokenizer without a chat template, data.prompt_format auto: the same served weights, prompts
+    as plain text; the engine and the trainer score the same ids, completions end at the stop string."""
+    model = _template_removed(base_dir, tmp_path, None)
+    code = main(["train", "-o", f"model.path={model}", "-o", f"rollout.urls=[{vllm_server.url}]",
+                 "-o", 'data.prompt_template="Question: {prompt}\\nAnswer:"', "-o", "data.stop=[' ', 'e']",
+                 "-o", "train.steps=2", "-o", "train.batch_prompts=2", "-o", "rollout.n_samples=4",
+                 "-o", "rollout.max_new_tokens=12", "-o", "lora.rank=8", "-o", "rollout.max_lora_rank=8",
+                 "-o", "train.eval_examples=4", "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "logprob_abs_diff_max" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["logprob_abs_diff_max"] < 1e-3 for r in steps), steps  # fp32 both sides: the same ids
+    # Stop strings end samples: with a space and 'e' stops, few of the 8 samples a step run to 12 tokens.
+    assert all(r["truncated_fraction"] <= 0.5 and r["rollout_tokens"] < 8 * 12 / 2 for r in steps), steps

@@ -4,7 +4,7 @@ killed evaluation left loaded is unloaded first."""
 
 import asyncio
 
-from graft.evaluation import _unload_earlier_evaluations, eval_adapter_name
+from graft.evaluation import _unload_earlier_evaluations, eval_adapter_name, evaluate
 from graft.lora.adapter_io import save_adapter
 from tests.helpers import trained_like_peft_model
 
@@ -39,3 +39,33 @@ def test_a_killed_evaluation_s_adapters_are_unloaded_but_no_one_else_s():
     engine = _Listed(["graft-eval-1111", "graft-eval-gone", "graft-eval-2222", "graft-v7", "other-eval-3333"])
     asyncio.run(_unload_earlier_evaluations(engine, "graft", "graft-eval-2222"))
     assert engine.unloaded == ["graft-eval-1111"]
+
+
+class _Recording:
+    """The reference engine, keeping the requests it was sent."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.requests = engine, []
+
+    async def generate(self, requests, adapter=None):
+        self.requests += requests
+        return await self.engine.generate(requests, adapter=adapter)
+
+
+def test_held_out_text_prompts_reach_the_engine_as_text_ids_and_rewards_see_text_before_the_stop(base_dir):
+    from graft.models.loading import load_tokenizer
+    from graft.rollout.reference import ReferenceEngine
+    from graft.tasks import Example
+    from graft.tasks.prompts import PromptFormat
+    from graft.tasks.scoring import RewardTerm, Scorer
+
+    tokenizer, seen = load_tokenizer(base_dir), []
+    engine = _Recording(ReferenceEngine(base_dir))
+    examples = [Example(f"What is {a} + 1?", str(a + 1)) for a in range(3)]
+    prompts = PromptFormat("text", "Question: {prompt}\nAnswer:", stop=(" ",))
+    scorer = Scorer([RewardTerm("seen", lambda text, example: seen.append(text) or 0.0)])
+    asyncio.run(evaluate(engine, None, examples, tokenizer, 16, scorer, prompts))
+    assert [list(r.prompt_token_ids) for r in engine.requests] == [
+        tokenizer.encode(f"Question: What is {a} + 1?\nAnswer:") for a in range(3)]
+    assert all(r.params.stop == (" ",) and r.params.temperature == 0 for r in engine.requests)
+    assert len(seen) == 3 and all(" " not in text for text in seen)

@@ -18,6 +18,7 @@ from graft.config.base import ConfigError, Section
 # path or a path to a .py file.
 _BUILT_IN_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PROMPT_PLACEHOLDER = "{prompt}"  # where data.prompt_template puts each prompt
 
 
 def check_reward_name(name: str) -> str:
@@ -76,6 +77,18 @@ class DataConfig(Section):
     system_prompt: str | None = Field(
         None, description="System message put in front of every prompt (train and held-out) that does not start "
         "with a system message of its own; null = none.")
+    prompt_format: Literal["auto", "chat", "text"] = Field(
+        "auto", description="How a prompt becomes the tokens the model completes: 'chat' through the tokenizer's "
+        "chat template (an instruct model); 'text' as plain text in data.prompt_template, with the special tokens "
+        "the tokenizer adds (a base model, as R1-Zero-style runs start); 'auto' = chat where the tokenizer has a "
+        "chat template, else text. Text takes string prompts (or one user message); data.env needs chat.")
+    prompt_template: str | None = Field(
+        None, description="Text prompts: the text around each prompt, with '{prompt}' where it goes, e.g. "
+        "'Question: {prompt}\\nAnswer:'; null = the prompt alone. Not used with chat prompts.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a completion where they appear (sampling and held-out "
+        "answers), e.g. ['\\n'] for a one-line answer after a text template; the reward sees the text before the "
+        "first one. Empty = the model's end-of-sequence token and rollout.max_new_tokens only.")
     reward: str | None = Field(
         "exact_numeric", description="The reward that scores completions: a built-in name (exact_numeric, format, "
         "exact_numeric+format, math), 'package.module:function' or 'path/to/file.py:function' (relative to the "
@@ -120,6 +133,32 @@ class DataConfig(Section):
         if isinstance(data, dict) and (data.get("rewards") or data.get("env")) and "reward" not in data:
             data = {**data, "reward": None}
         return data
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, v: str | None) -> str | None:
+        if v is not None and v.count(PROMPT_PLACEHOLDER) != 1:
+            raise ValueError(f"must hold {PROMPT_PLACEHOLDER} once (where each prompt goes), got {v!r}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("an empty stop string would end every completion at once")
+        return v
+
+    @model_validator(mode="after")
+    def _text_prompts_alone(self) -> "DataConfig":
+        if self.prompt_format == "chat" and self.prompt_template is not None:
+            raise ConfigError("data.prompt_template is for text prompts, and data.prompt_format is chat: set "
+                              "data.prompt_format to text (or auto) or data.prompt_template to null",
+                              keys=("data.prompt_format", "data.prompt_template"))
+        if self.prompt_format == "text" and self.env is not None:
+            raise ConfigError(f"data.env ({self.env!r}) talks to the model in chat turns, and data.prompt_format is "
+                              "text: set data.prompt_format to chat (or auto, with a model that has a chat template)",
+                              keys=("data.prompt_format", "data.env"))
+        return self
 
     @field_validator("reward", "eval_reward")
     @classmethod

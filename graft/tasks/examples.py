@@ -32,8 +32,6 @@ class Example:
     metadata: dict = field(default_factory=dict)
 
 
-
-
 def load_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer") -> list[Example]:
     """Reads examples from a JSONL file, a Parquet file or a saved Hugging Face dataset directory
     (see `graft.tasks.datasets.read_records`).
@@ -98,10 +96,11 @@ def _prompt(value: Any, where: str, key: str) -> str | list[dict]:
             for m in value):
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise ValueError(f"{where}: {key!r} must be a string or a non-empty list of chat messages "
-                     f"{{'role': str, 'content': str}}, got {_shorten(repr(value))}")
+                     f"{{'role': str, 'content': str}}, got {shorten(repr(value))}")
 
 
-def _shorten(text: str, limit: int = 80) -> str:
+def shorten(text: str, limit: int = 80) -> str:
+    """`text`, cut to `limit` characters with an ellipsis: a value quoted in an error message."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -120,27 +119,8 @@ def with_system_prompt(example: Example, system_prompt: str) -> Example:
     return replace(example, prompt=[{"role": "system", "content": system_prompt}, *messages])
 
 
-def check_prompts_render(tokenizer: PreTrainedTokenizerBase, example: Example, model_path) -> None:
-    """One clear error, before any server starts, when `tokenizer` cannot render `example`'s prompt:
-    a base model's tokenizer has no chat template (transformers' own message used to end a run once
-    vLLM was up, ~4 minutes in), or its template fails on the prompt.
-
-    Raises:
-        ValueError: naming model.path and the fix.
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"model.path {model_path}: its tokenizer has no chat template (a base model?), and graft "
-                         "renders every prompt through one; use a model that has one (an instruct or chat "
-                         "model), or add a 'chat_template' to its tokenizer_config.json")
-    try:
-        render_prompt_ids(tokenizer, example)
-    except Exception as error:  # a template's own error (jinja's, or one it raises): told as one line
-        raise ValueError(f"model.path {model_path}: its chat template fails to render a prompt "
-                         f"({type(error).__name__}: {_shorten(str(error), 200)})") from None
-
-
 def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, example: Example) -> list[int]:
-    """Token ids of the prompt as the policy sees it: its messages (a string prompt is one user
+    """Token ids of a chat prompt (`graft.tasks.prompts` has the text ones): its messages (a string prompt is one user
     turn) in the chat template, then the opened assistant turn the model completes.
 
     The template is rendered to text and then encoded with ``add_special_tokens=False``: the

@@ -9,11 +9,11 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from graft.config import DataConfig
+from graft.config import DataConfig, GraftConfig
 from graft.tasks.arithmetic import arithmetic_task
 from graft.tasks.envs.calculator import calculator_task
 from graft.tasks.envs.guessing import guessing_task
-from graft.tasks.examples import Example, check_prompts_render, load_examples, with_system_prompt
+from graft.tasks.examples import Example, load_examples, with_system_prompt
 
 # name -> factory returning (train, held-out), called with its defaults by a run. The environments'
 # tasks (calculator, guessing) share their environment's name (`graft.tasks.envs.ENVS`).
@@ -66,17 +66,20 @@ def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example
     return train, held_out
 
 
-def check_local_model_prompts(model_path: str | None, data: DataConfig) -> None:
-    """`graft config`'s part of train's prompt check (`check_prompts_render`): where `model_path` is a
-    model directory already here and the data loads. A packaged name or a .gguf is checked by train
-    and eval, after it is fetched or converted (minutes), which a config check must not do, and data
-    that does not load here (a config written for another machine) is train's to report."""
+def check_local_model_prompts(config: GraftConfig) -> None:
+    """`graft config`'s part of train's prompt checks (`graft.tasks.prompts.run_prompt_format`): where
+    model.path is a model directory already here and the data loads. A packaged name or a .gguf is
+    checked by train and eval, after it is fetched or converted (minutes), which a config check must
+    not do, and data that does not load here (a config written for another machine) is train's to
+    report."""
     from graft.models.loading import load_tokenizer
+    from graft.tasks.prompts import run_prompt_format
 
+    model_path = config.model.path
     if model_path is None or not (Path(model_path) / "tokenizer_config.json").is_file():
         return
     try:
-        train_set, _ = load_task_data(data)
+        train_set, eval_set = load_task_data(config.data)
     except (ValueError, OSError):
         return
-    check_prompts_render(load_tokenizer(model_path), train_set[0], model_path)
+    run_prompt_format(config, load_tokenizer(model_path), train_set + eval_set[: config.train.eval_examples])

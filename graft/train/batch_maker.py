@@ -18,7 +18,8 @@ from graft.rollout.engine import RolloutEngine, SamplingParams
 from graft.rollout.episodes import EpisodeLimits
 from graft.sync.policy_sync import PolicySync
 from graft.tasks.envs import EnvFactory, resolve_env
-from graft.tasks.examples import Example, check_prompts_render
+from graft.tasks.examples import Example
+from graft.tasks.prompts import CHAT, PromptFormat, run_prompt_format
 from graft.tasks.registry import load_task_data
 from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 from graft.tasks.scoring import Scorer
@@ -38,6 +39,7 @@ class TrainTask:
     scorer: Scorer | None
     eval_scorer: Scorer | None
     env: EnvFactory | None = None  # data.env: multi-turn episodes scored by the environment
+    prompts: PromptFormat = CHAT  # data.prompt_format, resolved against the tokenizer
 
 
 def load_train_task(config: GraftConfig) -> TrainTask:
@@ -47,8 +49,9 @@ def load_train_task(config: GraftConfig) -> TrainTask:
     scorer, eval_scorer = (None, None) if env else (load_scorer(config.data), load_eval_scorer(config.data))
     train_set, eval_set = load_task_data(config.data)
     tokenizer = load_tokenizer(config.model.path)
-    check_prompts_render(tokenizer, train_set[0], config.model.path)
-    return TrainTask(train_set, eval_set[: config.train.eval_examples], tokenizer, scorer, eval_scorer, env)
+    eval_set = eval_set[: config.train.eval_examples]
+    prompts = run_prompt_format(config, tokenizer, train_set + eval_set)
+    return TrainTask(train_set, eval_set, tokenizer, scorer, eval_scorer, env, prompts)
 
 
 class BatchMaker:
@@ -78,4 +81,4 @@ class BatchMaker:
             return await build_episode_batch(self.engine, **common, env_factory=task.env,
                                              limits=EpisodeLimits.of(self.config),
                                              mask_truncated=self.config.data.truncated == "mask")
-        return await build_rollout_batch(self.engine, **common, scorer=task.scorer)
+        return await build_rollout_batch(self.engine, **common, scorer=task.scorer, prompts=task.prompts)

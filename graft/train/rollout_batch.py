@@ -16,7 +16,8 @@ import torch
 from graft.rl.shaping import soft_overlong_penalty
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 from graft.sync.inflight import InFlightVersions
-from graft.tasks.examples import Example, render_prompt_ids
+from graft.tasks.examples import Example
+from graft.tasks.prompts import CHAT, PromptFormat
 from graft.tasks.scoring import Scorer
 
 
@@ -49,14 +50,14 @@ class RolloutBatch:
 
 async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, version: int, inflight: InFlightVersions,
                            examples: list[Example], tokenizer, params: SamplingParams,
-                           scorer: Scorer) -> RolloutBatch:
+                           scorer: Scorer, prompts: PromptFormat = CHAT) -> RolloutBatch:
     """Sample `params.n` completions per example with policy `version` and score them.
 
     With a seed, prompt p's samples use seeds `seed + p * n ...`: engines seed sample g of a request
     with `seed + g`, so one seed for every prompt would draw every prompt's g-th sample from the same
     random numbers, and the batch's samples would err (or not) together."""
     start = time.perf_counter()
-    prompts_P = [render_prompt_ids(tokenizer, ex) for ex in examples]
+    prompts_P = [prompts.ids(tokenizer, ex) for ex in examples]
     requests = [GenerateRequest(tuple(prompt), params if params.seed is None else
                                 replace(params, seed=params.seed + p * params.n))
                 for p, prompt in enumerate(prompts_P)]
@@ -68,7 +69,7 @@ async def build_rollout_batch(engine: RolloutEngine, *, adapter: str | None, ver
             sequences.append((list(prompt), list(completion.token_ids)))
             logprobs.append(list(completion.logprobs))
             truncated.append(completion.finish_reason == "length")
-            texts.append(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+            texts.append(prompts.completion_text(tokenizer, completion.token_ids))
             scored.append(example)
     scores = await scorer(texts, scored)  # the whole batch at once: batched and async rewards see all of it
     rewards_PG = torch.tensor(scores.rewards, dtype=torch.float32).view(len(examples), params.n)

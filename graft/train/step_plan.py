@@ -53,7 +53,7 @@ def step_sampling_params(config: GraftConfig, step: int) -> SamplingParams:
     """`rollout.n_samples` completions per prompt with the rollout settings, seeded per step."""
     rollout, train = config.rollout, config.train
     return SamplingParams(n=rollout.n_samples, temperature=rollout.temperature, top_p=rollout.top_p,
-                          max_new_tokens=rollout.max_new_tokens,
+                          max_new_tokens=rollout.max_new_tokens, stop=tuple(config.data.stop),
                           seed=sampling_seed(train.seed, step, train.batch_prompts * rollout.n_samples))
 
 

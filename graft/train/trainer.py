@@ -200,7 +200,7 @@ class _Leader:
             return await evaluate_episodes(self.engine, adapter, task.env, task.eval_set, task.tokenizer,
                                            self.config.rollout.max_new_tokens, EpisodeLimits.of(self.config))
         return await evaluate(self.engine, adapter, task.eval_set, task.tokenizer, self.config.rollout.max_new_tokens,
-                              task.eval_scorer)
+                              task.eval_scorer, task.prompts)
 
 
 def _progress() -> Progress:
