@@ -7,6 +7,7 @@ adapter   adapter mode: load `<lora.name>-v<N>`, unload versions outside the ret
 merged    merged/full mode: write merged weights, reload them into the engines
 verify    delivery verification: the engine serves exactly the trainer's policy (and the likely cause if not)
 guard     what never reaches a server: non-finite adapters, or finite ones whose forward overflows
-owner     the live run that uses a lora.name on a shared server (a flock on its publish root)
+owner     adapter names, and the live run that uses a lora.name on a shared server (a flock on its
+          publish root): an earlier run's adapters are unloaded, a live run's refused
 served_adapter, verify_command   `graft verify`: the delivery check for any server and adapter
 """

@@ -24,19 +24,19 @@ One `sync(model, version, step)` per optimizer step, in this order:
    in the background then, and the next sync waits for that write first).
 
 Before the first sync, adapters named `<lora.name>-v*` that this run did not load are unloaded
-(one warning line names them): they are what a killed or failed run with the same `lora.name`
-left on a server the user runs, and would otherwise make this run's load of the same version
-fail with "has already been loaded" (the rerun and `--resume` were blocked until a manual unload).
-`lora.name` is the run's identity on the server: two live runs must not share it, and a run that
-finds another live run's adapters under its name refuses to start (`graft.sync.owner`) rather than
-unload them.
+(one warning line names them): an earlier run's leftovers, which would block this run's loads (the
+rerun and `--resume` were blocked until a manual unload). A run that finds another live run's
+adapters under its name refuses to start rather than unload them (both: `graft.sync.owner`).
 
 Retiring a version: if `InFlightVersions` counts no request on it, it is unloaded at once;
 otherwise a background task waits for `inflight.wait_idle(v)` and unloads it then, as soon as its
 last request finishes rather than at the next sync (so the slot frees early and step 2 can wait
 on it). A version is out of the window only once a newer one is current, so only requests that
-picked it before can still be on it; rollout code must read `current_version` and enter
-`inflight.use(v)` without an await in between.
+picked it before can still be on it. Rollout code takes its version from `PolicySync.served`
+(graft.sync.served), requests `request_adapter(version)` and holds `inflight.use(version)` around
+its requests (graft.train.rollout_batch); `current_version` is for code that drives an
+`AdapterSync` itself (the soak bench, tests), which must read it and enter `inflight.use(v)`
+without an await in between.
 
 Unloads are best effort: a failure is logged (warning, with the engine's message), counted in
 `unload_failures`, and the version stays in `loaded` (it may still hold a slot, and its directory
@@ -54,30 +54,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 from graft.lora.adapter_io import AdapterWeights
 from graft.rollout.engine import EngineError, RolloutEngine, TransportUnsupportedError, UnknownAdapterError
-from graft.rollout.pool import EnginePool, PoolBroadcastError, engine_address
+from graft.rollout.pool import PoolBroadcastError
 from graft.sync.inflight import InFlightVersions
-from graft.sync.owner import LoraNameInUseError, PublishRootLease, live_owner
+from graft.sync.owner import PublishRootLease, adapter_name, adapter_version, earlier_runs_adapters, listed_adapters
 from graft.sync.publish import WeightPublisher
 from graft.sync.result import SyncResult
 from graft.sync.source import Policy, policy_source
 from graft.sync.transport import KIND, TRANSPORTS, DiskTransport, MemoryTransport, Prepared, choose
 
 
-def adapter_name(lora_name: str, version: int) -> str:
-    """The engine's name of policy `version`: `<lora_name>-v<version>`. The one place names are made."""
-    return f"{lora_name}-v{version}"
-
-
-def adapter_version(lora_name: str, name: str) -> int | None:
-    """The version in `name` if `adapter_name(lora_name, version)` made it, else None."""
-    digits = name.removeprefix(f"{lora_name}-v")
-    if digits == name or not digits.isascii() or not digits.isdigit() or str(int(digits)) != digits:
-        return None
-    return int(digits)
+__all__ = ["AdapterSync", "adapter_name", "adapter_version"]  # the names' home is graft.sync.owner
 
 
 class AdapterSync:
@@ -233,16 +222,6 @@ class AdapterSync:
                     raise
         return await self._carrier.prepare(version, step, weights, self._loaded)
 
-    async def _listed(self) -> list[str]:
-        """`<lora.name>-v*` adapters the engine(s) list, oldest version first (a pool: on any member,
-        not only those on all of them)."""
-        if isinstance(self._engine, EnginePool):
-            names = set().union(*(await self._engine.adapters_by_engine()).values())
-        else:
-            names = set(await self._engine.list_adapters())
-        return sorted((n for n in names if adapter_version(self._lora_name, n) is not None),
-                      key=lambda n: adapter_version(self._lora_name, n))
-
     async def _unload_names(self, names: list[str]) -> None:
         for name in names:
             try:
@@ -252,34 +231,16 @@ class AdapterSync:
                     raise
 
     async def _unload_stale(self) -> None:
-        """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring)."""
-        stale = await self._listed()
-        if not stale:
-            return
-        await self._refuse_a_live_owner(stale)
-        self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
-                          len(stale), self._lora_name, ", ".join(stale))
-        await self._unload_names(stale)
+        """Unload `<lora.name>-v*` adapters an earlier run left on the engine(s) (module docstring).
 
-    async def _refuse_a_live_owner(self, names: list[str]) -> None:
-        """Raise LoraNameInUseError if a live run loaded any of `names` (module docstring)."""
-        for name, path in (await self._adapter_paths()).items():
-            if name in names and Path(path).parent != self.publisher.root and (holder := live_owner(path)):
-                raise LoraNameInUseError(
-                    f"lora.name {self._lora_name!r} is in use on {engine_address(self._engine)} by "
-                    f"a live run ({holder}; its adapters are in {Path(path).parent}): give this run another lora.name")
-
-    async def _adapter_paths(self) -> dict[str, str]:
-        """Adapter name -> the path an engine loaded it from, where engines say (vLLM); else empty."""
-        engines = self._engine.engines if isinstance(self._engine, EnginePool) else [self._engine]
-        paths: dict[str, str] = {}
-        for engine in engines:
-            if hasattr(engine, "adapter_paths"):
-                try:
-                    paths.update(await engine.adapter_paths())
-                except EngineError:  # a dead pool member holds nobody's adapters
-                    continue
-        return paths
+        Raises:
+            LoraNameInUseError: a live run loaded one of them (`graft.sync.owner`).
+        """
+        stale = await earlier_runs_adapters(self._engine, self._lora_name, self.publisher.root)
+        if stale:
+            self._log.warning("unloading %d adapter(s) an earlier run with lora.name %r left loaded: %s",
+                              len(stale), self._lora_name, ", ".join(stale))
+            await self._unload_names(stale)
 
     async def engine_adapters(self) -> list[str]:
         """The graft adapters (named by `adapter_name` for this lora_name) the engine lists now."""
@@ -321,7 +282,7 @@ class AdapterSync:
         v4 loaded). Best effort: an engine that is gone or refuses is logged."""
         known = kept | set(self._loaded)
         try:
-            await self._unload_names([n for n in await self._listed()
+            await self._unload_names([n for n in await listed_adapters(self._engine, self._lora_name)
                                       if adapter_version(self._lora_name, n) not in known])
         except EngineError as error:
             self._log.warning("could not check the engine for unrecorded versions: %s", error)
