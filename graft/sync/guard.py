@@ -25,7 +25,7 @@ import torch
 
 from graft.lora.adapter_io import load_adapter, read_adapter_tensors
 from graft.models.loading import load_model
-from graft.sync.source import Policy, eval_mode, policy_source, probe_logits_finite
+from graft.sync.source import PolicySource, eval_mode, probe_logits_finite
 from graft.sync.verify import PROBE_PROMPT
 
 __all__ = ["NonFinitePolicyError", "check_finite_adapter_dir", "check_finite_policy", "eval_mode"]
@@ -35,16 +35,16 @@ class NonFinitePolicyError(ValueError):
     """The policy about to be published has non-finite weights or outputs."""
 
 
-def check_finite_policy(policy: Policy, version: int, probe: Sequence[int] = PROBE_PROMPT) -> None:
-    """Refuse to publish `policy` as `version` unless its LoRA weights and its probe logits are finite.
+def check_finite_policy(source: PolicySource, version: int, probe: Sequence[int] = PROBE_PROMPT) -> None:
+    """Refuse to publish `source`'s policy as `version` unless its LoRA weights and its probe logits are
+    finite (`PolicySync` and the tenants' publishing call it with the source they sync).
 
-    On an FSDP2 run's rank 0 `policy` is the sharded source: the LoRA tensors are the ones gathered
+    On an FSDP2 run's rank 0 `source` is the sharded one: the LoRA tensors are the ones gathered
     after the step, and the probe forward is a collective every rank joins.
 
     Raises:
         NonFinitePolicyError: naming the first non-finite tensor, or the probe's logits.
     """
-    source = policy_source(policy)
     for name, tensor in source.lora_tensors().items():
         if not torch.isfinite(tensor).all():
             raise NonFinitePolicyError(f"policy version {version} has NaN or infinite values in {name}: not "

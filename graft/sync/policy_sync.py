@@ -128,11 +128,11 @@ class PolicySync:
                 "sync_logprob_abs_diff_max": gap, "policy_version": result.version,
                 "engines_live": live_engine_count(self.engine)}
 
-    async def calibrate(self, policy: Policy) -> None:
+    async def calibrate(self, source: PolicySource) -> None:
         """The delivery check's tolerance from the engines' gap to version 0, which adds nothing to the
         base (`graft.sync.verify.NOISE_MARGIN`): what the engines' rounding is for this model, not what
         another model's was. Only then: a later version's gap may include a failed delivery."""
-        floor = await noise_floor(self.engine, policy, self.request_adapter(0))
+        floor = await noise_floor(self.engine, source, self.request_adapter(0))
         self.tolerance, self.calibrating = calibrated_tolerance(floor, self.dtype), False
         self.floor = floor
         atomic_write_text(self.calibration, json.dumps({"tolerance": self.tolerance, "floor": floor,

@@ -60,7 +60,9 @@ class PolicySource(Protocol):
 
 
 Policy = nn.Module | PolicySource
-"""What the sync entry points accept: a model in this process, or a source."""
+"""What the sync entry points accept: a model in this process, or a source. Each entry point
+(`PolicySync`, a `SyncMode`'s `sync`, `verify_delivery`) makes it a source once (`policy_source`)
+and hands that down; nothing below them takes a model."""
 
 
 class ModelSource:
@@ -110,21 +112,29 @@ class SnapshotSource(ModelSource):
         return await self._run(functools.partial(self._as_published, read))
 
     def _as_published(self, read: Callable[[], T]) -> T:
-        live = adapter_layout(self.model).lora_tensors()
-        now = {name: tensor.clone() for name, tensor in live.items()}
-        with torch.no_grad():
-            for name, tensor in live.items():
-                tensor.copy_(self._lora[name])
-            try:
-                return read()
-            finally:
-                for name, tensor in live.items():
-                    tensor.copy_(now[name])
+        with swapped_in(adapter_layout(self.model).lora_tensors(), self._lora):
+            return read()
 
 
 def policy_source(policy: Policy) -> PolicySource:
     """`policy` as a source: a model is read in this process."""
     return ModelSource(policy) if isinstance(policy, nn.Module) else policy
+
+
+@contextlib.contextmanager
+def swapped_in(tensors: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Each of `tensors` holding `values[name]` for the body, which runs without autograd, and its own
+    values again after, however the body ends (bit-exact copies both ways): how a source reads the
+    policy as it was published while the live LoRA tensors have moved on."""
+    now = {name: tensor.clone() for name, tensor in tensors.items()}
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            tensor.copy_(values[name])
+        try:
+            yield
+        finally:
+            for name, tensor in tensors.items():
+                tensor.copy_(now[name])
 
 
 @contextlib.contextmanager

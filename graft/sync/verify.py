@@ -185,11 +185,10 @@ def likely_cause(source: PolicySource, probe: Sequence[int], completion: Complet
     return ""
 
 
-async def noise_floor(engine: RolloutEngine, policy: Policy, requested: str | None) -> float:
-    """The largest gap between every engine serving `requested` and the trainer's `policy` over the
-    probe and the probe reversed: the engines' rounding where `policy` is what they serve (a fresh
-    run's version 0, whose LoRA adds nothing, whatever an engine made of it)."""
-    source = policy_source(policy)
+async def noise_floor(engine: RolloutEngine, source: PolicySource, requested: str | None) -> float:
+    """The largest gap between every engine serving `requested` and the trainer's policy `source` over
+    the probe and the probe reversed: the engines' rounding where the policy is what they serve (a
+    fresh run's version 0, whose LoRA adds nothing, whatever an engine made of it)."""
     members = pool_members(engine)
     return max([(await probe_gap(member, source, requested, probe))[1]
                 for member in members for probe in (PROBE_PROMPT, tuple(reversed(PROBE_PROMPT)))])

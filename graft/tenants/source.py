@@ -35,7 +35,7 @@ from peft.tuners.lora import LoraLayer
 from graft.lora.adapter_io import AdapterWeights
 from graft.lora.routing import routed
 from graft.models.loading import model_dtype
-from graft.sync.source import probe_logits_finite
+from graft.sync.source import probe_logits_finite, swapped_in
 from graft.tenants.policy import TenantPolicy
 
 T = TypeVar("T")
@@ -118,13 +118,5 @@ class TenantSource:
     def _as_published(self, read: Callable[[], T]) -> T:
         """`read()` with the tenant's adapter holding the published values, its live values after."""
         published = self._snapshot()
-        live = self._live()
-        now = {name: tensor.clone() for name, tensor in live.items()}
-        with torch.no_grad():
-            for name, tensor in live.items():
-                tensor.copy_(published[name])
-            try:
-                return read()
-            finally:
-                for name, tensor in live.items():
-                    tensor.copy_(now[name])
+        with swapped_in(self._live(), published):
+            return read()

@@ -12,6 +12,7 @@ from graft.lora.attach import lora_parameters
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.guard import NonFinitePolicyError, check_finite_policy
 from graft.sync.policy_sync import PolicySync
+from graft.sync.source import ModelSource
 from tests.helpers import trained_like_peft_model
 
 
@@ -49,7 +50,7 @@ def test_the_check_leaves_the_model_in_its_mode_and_draws_no_random_numbers(base
     model = trained_like_peft_model(base_dir, dropout=0.5)
     model.train()
     state = torch.get_rng_state()
-    check_finite_policy(model, 1)
+    check_finite_policy(ModelSource(model), 1)
     assert model.training and torch.equal(torch.get_rng_state(), state)
 
 

@@ -16,6 +16,7 @@ from graft.rollout.vllm.client import VllmClient
 from graft.sync.guard import check_finite_policy
 from graft.sync.merged import MergedSync
 from graft.sync.publish import WeightPublisher
+from graft.sync.source import ModelSource
 from graft.sync.verify import DEFAULT_TOLERANCE, verify_delivery
 from tests.helpers import randomize_lora, trained_like_peft_model
 from tests.sync.common import FP32_TOLERANCE, greedy
@@ -79,7 +80,7 @@ def test_merged_sync_of_a_cuda_policy_into_a_cuda_reference_engine(base_dir, tmp
 
     async def scenario():
         base_tokens = await greedy(engine)
-        check_finite_policy(model, 1)
+        check_finite_policy(ModelSource(model), 1)
         result = await MergedSync(engine, publisher, dtype=getattr(torch, dtype)).sync(model, 1, 1)
         assert result.mode == "merged" and result.bytes > 0
         assert await greedy(engine) != base_tokens
