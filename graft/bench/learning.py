@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench.common import pyplot, save_figure
-from graft.bench.trl_env import TRL_VERSION, run_trl, trl_python
+from graft.bench.trl.env import TRL_VERSION, run_trl, trl_python
 from graft.config import GraftConfig
 from graft.config.arguments import COUNT, SEED
 from graft.evaluation import evaluate, loaded_adapter
@@ -72,7 +72,7 @@ def graft_config(base: Path, url: str, steps: int, eval_every: int, seed: int, e
 
 
 def trl_spec(config: GraftConfig, budget_s: float, eval_every: int, save_dir: Path, batches: int) -> dict:
-    """The TRL run equal to `config` (see `trl_worker.trl_arguments`) on graft's prompts for `batches`
+    """The TRL run equal to `config` (see `graft.bench.trl.worker.trl_arguments`) on graft's prompts for `batches`
     batches: its points within `budget_s` seconds race graft's, and a slower TRL goes on past them to
     graft's batch count for the per-batch comparison."""
     train, rollout, lora = config.train, config.rollout, config.lora

@@ -9,7 +9,7 @@ Peaks are reported above the model's own memory (RSS after building it and its L
 
 - graft: `policy_update` with the `train` config (defaults unless overridden), in
   `python -m graft.bench.memory --worker SPEC`.
-- TRL: `GRPOTrainer` + PEFT on the same weights and token ids (`graft.bench.trl_memory_worker`, in
+- TRL: `GRPOTrainer` + PEFT on the same weights and token ids (`graft.bench.trl.memory_worker`, in
   the TRL virtualenv), in two configurations: "trl-defaults" (TRL's gradient checkpointing and
   micro-batch of 8) and "graft-settings" (no checkpointing, graft's token budget per micro-batch).
   `trl_peak_bytes` / `trl_seconds` are TRL's defaults; `trl` holds both.
@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, QWEN_SHAPE, build_model, memory_batch
-from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
-from graft.bench.trl_memory_worker import CONFIGS
+from graft.bench.trl.env import TrlEnvError, run_trl, trl_python
+from graft.bench.trl.memory_worker import CONFIGS
 from graft.config.arguments import COUNT
 from graft.models.packaged import PACKAGED_MODELS
 from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
@@ -94,7 +94,7 @@ def measure_graft(spec: dict, overrides: list[str]) -> dict:
 
 
 def measure_trl(python: Path, spec: dict, config: str, work_dir: Path) -> dict:
-    return run_trl(python, {**spec, "config": config}, work_dir / config, module="graft.bench.trl_memory_worker")
+    return run_trl(python, {**spec, "config": config}, work_dir / config, module="graft.bench.trl.memory_worker")
 
 
 def _measured(label: str, shape: dict, tokens: int, console: Console, measure) -> dict | None:

@@ -1,6 +1,6 @@
 """The model and the batch of `graft bench memory`, built the same way by both sides.
 
-Imported by graft's measurement process and by `graft.bench.trl_memory_worker` in the TRL
+Imported by graft's measurement process and by `graft.bench.trl.memory_worker` in the TRL
 virtualenv, so it needs nothing but torch and transformers: the same seed gives both sides the same
 weights, the same token ids and the same ragged completion lengths.
 """

@@ -8,7 +8,7 @@ fp32, and one optimizer step over a batch of `--sequences` rows of `--prompt-tok
 
 - graft: `policy_update` with the `train` config (defaults, or `-o train.KEY=VALUE`), as the trainer
   sets the model up (`parallelize`: activation checkpointing per `train.activation_checkpointing`);
-- TRL: `GRPOTrainer` + PEFT on the same weights and token ids (`graft.bench.trl_update_worker`), with
+- TRL: `GRPOTrainer` + PEFT on the same weights and token ids (`graft.bench.trl.update_worker`), with
   "graft-settings" (graft's optimizer and loss settings, and the micro-batch size and checkpointing
   graft's side chose in this run) or `--trl-config trl-defaults`, in the TRL virtualenv
   or, where TRL is importable in this python (a GPU machine with its wheels installed), in this one.
@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from graft.bench.memory_shape import GROUP, PAD_ID, QWEN_SHAPE, memory_batch
-from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
-from graft.bench.trl_memory_worker import CONFIGS
+from graft.bench.trl.env import TrlEnvError, run_trl, trl_python
+from graft.bench.trl.memory_worker import CONFIGS
 from graft.bench.update_measure import (
     DTYPES,
     UpdateClock,
@@ -121,7 +121,7 @@ def trl_interpreter(console: Console) -> Path:
 
 
 def measure_trl(spec: dict, work_dir: Path, console: Console) -> dict:
-    return run_trl(trl_interpreter(console), spec, work_dir / "trl", module="graft.bench.trl_update_worker")
+    return run_trl(trl_interpreter(console), spec, work_dir / "trl", module="graft.bench.trl.update_worker")
 
 
 def resolve_device(device: str) -> str:

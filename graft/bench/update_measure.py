@@ -1,7 +1,7 @@
 """What both sides of `graft bench update` measure, the same way: the model each builds, the clock
 around each update, its peak memory, its useful FLOPs and the profiler table.
 
-Imported by graft's measurement process and by `graft.bench.trl_update_worker` (in the TRL
+Imported by graft's measurement process and by `graft.bench.trl.update_worker` (in the TRL
 virtualenv, or in graft's own python where TRL is installed there), so it needs nothing but torch,
 transformers and `graft.bench.memory_shape`.
 """

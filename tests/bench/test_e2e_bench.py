@@ -34,8 +34,8 @@ from graft.bench.learning import (
 )
 from graft.bench.learning import trl_spec as learning_trl_spec
 from graft.bench.rollout import prepare_adapter_and_merged
-from graft.bench.trl_env import run_trl, trl_python
-from graft.bench.trl_worker import prompt_rows, reward_function, trl_arguments
+from graft.bench.trl.env import run_trl, trl_python
+from graft.bench.trl.worker import prompt_rows, reward_function, trl_arguments
 from graft.cli import main
 from graft.config import load_config
 from graft.models.cache import default_cache_dir

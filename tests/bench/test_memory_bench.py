@@ -10,8 +10,8 @@ import pytest
 from graft.bench import memory
 from graft.bench.memory import SHAPES, run_memory_bench, worker_spec
 from graft.bench.memory_shape import QWEN_SHAPE, memory_batch, trl_generation_batch, unpadded_rows
-from graft.bench.trl_env import TrlEnvError, run_trl, trl_python
-from graft.bench.trl_memory_worker import CONFIGS, trl_memory_arguments
+from graft.bench.trl.env import TrlEnvError, run_trl, trl_python
+from graft.bench.trl.memory_worker import CONFIGS, trl_memory_arguments
 from graft.cli import main
 from graft.config import load_config
 from graft.models.cache import default_cache_dir
@@ -107,7 +107,7 @@ def test_trl_worker_trains_on_graft_batch(tmp_path):
     rows, _ = memory_batch(16, 500, 6, (10, 5))
     for config in CONFIGS:
         spec = {**worker_spec(TINY, TINY_DIMS), "config": config, "echo_batch": True}
-        result = run_trl(python, spec, tmp_path / config, module="graft.bench.trl_memory_worker")
+        result = run_trl(python, spec, tmp_path / config, module="graft.bench.trl.memory_worker")
         # Every row TRL's loss saw (shuffled, split into micro-batches) is one of graft's, each once.
         assert Counter(json.dumps(r) for r in result["batch"]) == Counter(json.dumps(list(r)) for r in rows)
         assert result["optimizer_steps"] == 1 and result["tokens"] == 216

@@ -3,7 +3,7 @@ real GRPOTrainer (its own loss, backward, clipping and AdamW step) from the same
 end at the same LoRA weights. With equal batches the two learn alike per batch; what else differs
 between them in `graft bench learning` is the sampling (vLLM against HF generate).
 
-Settings as the benches set both sides (`graft.bench.trl_worker.trl_arguments`): one optimizer step
+Settings as the benches set both sides (`graft.bench.trl.worker.trl_arguments`): one optimizer step
 per batch, token-mean ("dapo") loss, clip 0.2, no KL, grad clip 1.0, AdamW with weight decay 0.01,
 group-std advantages with the sample std (TRL's; graft's default is the population std).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from graft.bench.trl_env import run_trl, trl_python
+from graft.bench.trl.env import run_trl, trl_python
 from graft.config import load_config
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.cache import default_cache_dir

@@ -1,5 +1,5 @@
 """TRL's side of test_trl_update_parity, run in the benches' TRL virtualenv:
-`python -m tests.rl.trl_update_worker SPEC.json OUT.json` (graft.bench.trl_env.run_trl).
+`python -m tests.rl.trl_update_worker SPEC.json OUT.json` (graft.bench.trl.env.run_trl).
 
 TRL's real GRPOTrainer steps, one per fixed rollout batch (generation replaced by the batch, as in
 `graft bench update`), from graft's LoRA initialisation (`attach_lora`, PEFT's, seeded); writes the
@@ -21,7 +21,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from graft.bench.memory_shape import trl_generation_batch
-    from graft.bench.trl_worker import trl_arguments
+    from graft.bench.trl.worker import trl_arguments
     from graft.lora.attach import attach_lora, lora_parameters
 
     base = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)

@@ -56,14 +56,14 @@ def trl_python(cache_dir: Path, console: Console | None = None) -> Path:
 
 
 def worker_environment() -> dict[str, str]:
-    """Environment for `python -m graft.bench.trl_worker` in the TRL venv: graft's source on the path
+    """Environment for `python -m graft.bench.trl.worker` in the TRL venv: graft's source on the path
     (the worker imports only graft.tasks and graft.config from it)."""
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])  # graft/bench/trl/env.py -> what holds graft/
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
 
 
-def run_trl(python: Path, spec: dict, work_dir: Path, module: str = "graft.bench.trl_worker") -> dict:
+def run_trl(python: Path, spec: dict, work_dir: Path, module: str = "graft.bench.trl.worker") -> dict:
     """Runs the worker `module` (`python -m MODULE SPEC.json OUT.json`) on `spec` in the TRL venv; its
     result (see the worker)."""
     work_dir.mkdir(parents=True, exist_ok=True)

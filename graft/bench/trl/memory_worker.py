@@ -1,9 +1,9 @@
 """The TRL side of `graft bench memory`: one `GRPOTrainer` + PEFT optimizer step on graft's batch.
 
-Runs as `python -m graft.bench.trl_memory_worker SPEC.json OUT.json` in the TRL virtualenv
-(`graft.bench.trl_env.run_trl`), one fresh process per measurement, so its `ru_maxrss` is this
+Runs as `python -m graft.bench.trl.memory_worker SPEC.json OUT.json` in the TRL virtualenv
+(`graft.bench.trl.env.run_trl`), one fresh process per measurement, so its `ru_maxrss` is this
 update's alone. From graft it imports `graft.bench.memory_shape` (torch and transformers) and the
-e2e worker's micro-batch rule (`graft.bench.trl_worker`, pure Python): the same seed gives the same
+e2e worker's micro-batch rule and entry (`graft.bench.trl.worker`, pure Python): the same seed gives the same
 weights, token ids and ragged lengths as graft's measurement.
 
 Generation is replaced, not timed: `_generate_and_score_completions` returns the fixed batch in
@@ -15,14 +15,11 @@ gradient accumulation, clipping, AdamW). The seconds are that step's, from `on_s
 
 from __future__ import annotations
 
-import json
 import resource
-import sys
 import time
-from pathlib import Path
 
 from graft.bench.memory_shape import GROUP, PAD_ID, build_model, memory_batch, trl_generation_batch, unpadded_rows
-from graft.bench.trl_worker import rows_within_budget
+from graft.bench.trl.worker import rows_within_budget, worker_main
 
 CONFIGS = ("trl-defaults", "graft-settings")
 
@@ -44,7 +41,7 @@ def trl_memory_arguments(config: str, sequences: int, padded_length: int, output
     trl-defaults keeps TRL's gradient checkpointing (on), optimizer and learning rate; fp32 instead
     of TRL's default bf16, because graft's side is fp32. graft-settings: gradient checkpointing as
     graft's train.activation_checkpointing default (on), graft's token budget per micro-batch,
-    torch AdamW, lr 1e-4, clip 0.2, grad norm 1.0 (as `trl_worker.trl_arguments`)."""
+    torch AdamW, lr 1e-4, clip 0.2, grad norm 1.0 (as `worker.trl_arguments`)."""
     rows = micro_batch_rows(config, sequences, padded_length)
     args = dict(output_dir=output_dir, use_cpu=True, use_vllm=False, bf16=False, fp16=False, seed=0,
                 per_device_train_batch_size=rows, gradient_accumulation_steps=sequences // rows,
@@ -57,7 +54,7 @@ def trl_memory_arguments(config: str, sequences: int, padded_length: int, output
     return args
 
 
-def _tokenizer():
+def placeholder_tokenizer():
     """A three-token tokenizer: TRL wants a processing class for its pad id; nothing is tokenized."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -108,7 +105,7 @@ def run(spec: dict) -> dict:
     def no_reward(prompts, completions, **_):
         return [0.0] * len(prompts)
 
-    trainer = FixedBatchTrainer(model=model, processing_class=_tokenizer(), reward_funcs=no_reward,
+    trainer = FixedBatchTrainer(model=model, processing_class=placeholder_tokenizer(), reward_funcs=no_reward,
                                 train_dataset=Dataset.from_list([{"prompt": "x"}] * spec["sequences"]),
                                 args=GRPOConfig(**args), callbacks=[StepClock()])
     setup_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -125,12 +122,6 @@ def run(spec: dict) -> dict:
     if spec.get("echo_batch"):
         out["batch"] = seen
     return out
-
-
-def worker_main(measure) -> None:
-    """A TRL worker's entry: `python -m MODULE SPEC.json OUT.json` writes `measure(spec)` as JSON."""
-    spec_path, out_path = sys.argv[1:3]
-    Path(out_path).write_text(json.dumps(measure(json.loads(Path(spec_path).read_text()))) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The TRL side of `graft bench e2e` / `graft bench learning`: TRL's GRPOTrainer with a PEFT LoRA.
 
-Runs as `python -m graft.bench.trl_worker SPEC.json OUT.json` in the bench's own TRL virtualenv
-(`graft.bench.trl_env`), never in graft's: TRL is not one of graft's dependencies. It imports only
+Runs as `python -m graft.bench.trl.worker SPEC.json OUT.json` in the bench's own TRL virtualenv
+(`graft.bench.trl.env`), never in graft's: TRL is not one of graft's dependencies. It imports only
 `graft.tasks` from graft (pure Python), so both libraries train on the same prompts, chat template
 and reward code.
 
@@ -205,11 +205,11 @@ def run(spec: dict) -> dict:
             "log_history": trainer.state.log_history}
 
 
-def main() -> None:
+def worker_main(measure) -> None:
+    """A TRL worker's entry: `python -m MODULE SPEC.json OUT.json` writes `measure(spec)` as JSON."""
     spec_path, out_path = sys.argv[1:3]
-    result = run(json.loads(Path(spec_path).read_text()))
-    Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
+    Path(out_path).write_text(json.dumps(measure(json.loads(Path(spec_path).read_text())), indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)

@@ -1,6 +1,6 @@
 """The TRL side of `graft bench update`: `GRPOTrainer` + PEFT optimizer steps on graft's batch.
 
-Runs as `python -m graft.bench.trl_update_worker SPEC.json OUT.json` (`graft.bench.trl_env.run_trl`),
+Runs as `python -m graft.bench.trl.update_worker SPEC.json OUT.json` (`graft.bench.trl.env.run_trl`),
 in the TRL virtualenv or in graft's own python where TRL is installed there. As in `graft bench
 memory`'s worker (whose TRL arguments and tokenizer it reuses), generation is replaced by the fixed
 batch and everything after it is TRL's real training path; `train()` runs 1 + `repeats` optimizer
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from graft.bench.memory_shape import memory_batch, trl_generation_batch
-from graft.bench.trl_memory_worker import _tokenizer, trl_memory_arguments, worker_main
-from graft.bench.trl_worker import rows_within_budget
+from graft.bench.trl.memory_worker import placeholder_tokenizer, trl_memory_arguments
+from graft.bench.trl.worker import rows_within_budget, worker_main
 from graft.bench.update_measure import (
     UpdateClock,
     UpdateProfile,
@@ -79,7 +79,7 @@ def run(spec: dict) -> dict:
     def no_reward(prompts, completions, **_):
         return [0.0] * len(prompts)
 
-    trainer = FixedBatchTrainer(model=model, processing_class=_tokenizer(), reward_funcs=no_reward,
+    trainer = FixedBatchTrainer(model=model, processing_class=placeholder_tokenizer(), reward_funcs=no_reward,
                                 train_dataset=Dataset.from_list([{"prompt": "x"}] * spec["sequences"]),
                                 args=GRPOConfig(**args), callbacks=[StepClock()])
     trainer.train()
