@@ -2,21 +2,23 @@
 
 The files here are written with the `gguf` package itself (a tiny tensor, a header naming an
 architecture), so each failure is a real file of that kind, not a mocked reader. Converting a real
-model is tests/models/test_smollm2.py's.
+model is tests/models/test_packaged_models.py's.
 """
 
 import numpy as np
 import pytest
 
 from graft.cli import main
-from graft.models.gguf import check_gguf, gguf_file
+from graft.models.gguf import CONVERSION, DONE, added_special_tokens, check_gguf, converted_dir, gguf_file
 
 
-def write_gguf(path, arch: str = "llama") -> None:
+def write_gguf(path, arch: str = "llama", add_bos: bool | None = None) -> None:
     from gguf import GGUFWriter
 
     writer = GGUFWriter(path, arch)
     writer.add_block_count(1)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -116,3 +118,24 @@ def test_a_first_conversion_says_what_it_does_before_it_starts(tmp_path, capsys,
     assert converted == [(tmp_path / "m.gguf", "llama", target)]
     err = capsys.readouterr().err
     assert err.startswith("graft: converting m.gguf (llama, 0 MiB) to a Hugging Face directory at ") and "once" in err
+
+
+@pytest.mark.parametrize("add_bos, expected", [(True, {"add_bos_token": True}), (False, {"add_bos_token": False}),
+                                               (None, {})])
+def test_the_tokenizer_adds_what_the_gguf_metadata_states(tmp_path, add_bos, expected):
+    write_gguf(tmp_path / "m.gguf", add_bos=add_bos)
+    assert added_special_tokens(tmp_path / "m.gguf") == expected  # an unstated flag is the tokenizer class's
+
+
+def test_a_conversion_written_by_an_earlier_graft_is_redone(tmp_path, monkeypatch):
+    """Conversion 1 dropped the GGUF's add_bos_token (Gemma lost its <bos>): its cache entry is not reused."""
+    import graft.models.gguf as gguf_module
+
+    write_gguf(tmp_path / "m.gguf")
+    earlier = tmp_path / "cache" / "gguf" / gguf_module.file_sha256(tmp_path / "m.gguf")[:16]
+    earlier.mkdir(parents=True)
+    (earlier / DONE).write_text("{}")
+    converted = []
+    monkeypatch.setattr(gguf_module, "_convert", lambda gguf, arch, target: converted.append(target))
+    target = converted_dir(tmp_path / "m.gguf", tmp_path / "cache")
+    assert converted == [target] and target == earlier.with_name(f"{earlier.name}-c{CONVERSION}")

