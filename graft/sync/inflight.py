@@ -1,11 +1,11 @@
 """`InFlightVersions`: how many running requests use each policy version right now.
 
 The adapter lifecycle (`graft.sync.adapter`) must never unload a version a running request still
-names, so rollout code wraps every generate call:
+names, so rollout code wraps the generate calls of a batch (graft.train.rollout_batch), whose
+version it took from `PolicySync.served`:
 
-    version = sync.current_version          # read it and enter in one step: no await between
     async with inflight.use(version):
-        completions = await engine.generate(requests, adapter_name(lora_name, version))
+        completions = await engine.generate(requests, sync.request_adapter(version))
 
 and the sync side asks `count(v)` / `busy()`, or waits with `wait_idle(v)`. Waiting is event based:
 the last user leaving a version sets that version's `asyncio.Event`, so waiters resume on the next

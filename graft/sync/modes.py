@@ -1,9 +1,11 @@
 """Sync modes: how a new policy version reaches the engines, behind one interface, by name.
 
-`sync.mode` names an entry of `SYNC_MODES`; nothing outside `graft.sync` branches on the mode. A
-mode publishes a version and applies it (`sync`), says which adapter name a rollout of a version
-requests (`request_adapter`: the one question rollout code asks), whether a sync must not
-interleave with generation (`needs_engine_lock`), and cleans up (`discard_from`, `close`).
+`sync.mode` names an entry of `SYNC_MODES`; outside `graft.sync` only the server launch asks about
+the mode (`graft.rollout.factory`, through `sync.reloads_weights`: a merged run's vLLM gets the
+weight-reload endpoints and no LoRA slots). A mode publishes a version and applies it (`sync`),
+says which adapter name a rollout of a version requests (`request_adapter`: the one question
+rollout code asks), whether a sync must not interleave with generation (`needs_engine_lock`), and
+cleans up (`discard_from`, `close`).
 
 | mode      | what reaches the engine                   | requests name        | engine lock |
 |-----------|-------------------------------------------|----------------------|-------------|
