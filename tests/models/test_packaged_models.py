@@ -27,6 +27,16 @@ EXPECTED = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These forwards are ~40 tokens: on 2 cores shared with other work (load average ~9), one of
+    SmolLM2 took 3.6-7 s with torch's 2 threads and 0.2 s with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=sorted(PACKAGED_MODELS))
 def converted(request):
     """(name, converted directory, its model, its tokenizer): one model in memory at a time."""
