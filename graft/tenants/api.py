@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from graft.tenants.fields import Fields
 from graft.tenants.futures import RequestFailed, TooLarge, TooMany
+from graft.tenants.operations import LOAD_STATE, OPTIM_STEP, SAVE_FOR_SAMPLER, SAVE_STATE
 from graft.tenants.parse import (
     Bounds,
     adam_params,
@@ -41,7 +42,6 @@ from graft.tenants.parse import (
 from graft.tenants.rest import Listing, page
 from graft.tenants.sampling import SampleResult
 from graft.tenants.schedule import FORWARD_BACKWARD, ForwardResult
-from graft.tenants.service import LOAD_STATE, OPTIM_STEP, SAVE_FOR_SAMPLER, SAVE_STATE
 from graft.tenants.users import Users
 from graft.tenants.wire import (
     WireError,

@@ -32,7 +32,7 @@ OPTIMIZER = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-class CheckpointError(ValueError):
+class TenantCheckpointError(ValueError):
     """A tenant checkpoint that is missing, incomplete, or of another adapter shape."""
 
 
@@ -69,13 +69,14 @@ def load_tenant(policy: TenantPolicy, tenant: str, path: Path, *, with_optimizer
     """Copy the adapter (and, `with_optimizer`, the AdamW state) saved at `path` into `tenant`.
 
     Raises:
-        CheckpointError: files missing, or tensors that do not match the tenant's adapter.
+        TenantCheckpointError: files missing, or tensors that do not match the tenant's adapter.
     """
     params = policy.parameters(tenant)
     saved = _tensors(path / ADAPTER_WEIGHTS)
     keys = {single_adapter_key(name, tenant): name for name in params}
     if set(saved) != set(keys) or any(saved[key].shape != params[keys[key]].shape for key in keys):
-        raise CheckpointError(f"{path}: its tensors do not match tenant {tenant!r}'s adapter (rank or modules differ)")
+        raise TenantCheckpointError(f"{path}: its tensors do not match tenant {tenant!r}'s adapter (rank or modules "
+                                    "differ)")
     moments = _tensors(path / OPTIMIZER) if with_optimizer else {}
     optimizer = policy.optimizer(tenant)
     with torch.no_grad():
@@ -93,10 +94,10 @@ def _config(path: Path) -> dict:
     try:
         return json.loads((path / ADAPTER_CONFIG).read_text())
     except FileNotFoundError as error:
-        raise CheckpointError(f"no tenant checkpoint at {path} ({ADAPTER_CONFIG} is missing)") from error
+        raise TenantCheckpointError(f"no tenant checkpoint at {path} ({ADAPTER_CONFIG} is missing)") from error
 
 
 def _tensors(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing: not a complete tenant checkpoint")
+        raise TenantCheckpointError(f"{file} is missing: not a complete tenant checkpoint")
     return safetensors.torch.load_file(file)

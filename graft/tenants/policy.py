@@ -98,7 +98,7 @@ class DatumResult:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class OptimStepResult:
     """What `optim_step` did: applied, the gradient norm it saw, and why not when refused."""
 
     applied: bool
@@ -219,7 +219,7 @@ class TenantPolicy:
             total.backward()
         return results
 
-    def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> StepResult:
+    def optim_step(self, tenant: str, adam: AdamParams = AdamParams()) -> OptimStepResult:
         """Step `tenant`'s adapter with its accumulated gradients, then clear them. Non-finite
         gradients (a NaN loss) are cleared and the step refused: this tenant's adapter stays as it
         was, and no other tenant is touched."""
@@ -228,10 +228,10 @@ class TenantPolicy:
         optimizer = self._optimizers[tenant]
         if not seen:
             optimizer.zero_grad(set_to_none=True)
-            return StepResult(False, 0.0, "no gradients: no forward_backward since its last step")
+            return OptimStepResult(False, 0.0, "no gradients: no forward_backward since its last step")
         if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
-            return StepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
+            return OptimStepResult(False, grad_norm, "non-finite gradients: the step is refused, the adapter kept")
         if adam.grad_clip_norm > 0 and (coef := adam.grad_clip_norm / (grad_norm + 1e-6)) < 1.0:  # torch's
             for param in params:
                 if param.grad is not None:
@@ -241,7 +241,7 @@ class TenantPolicy:
                          weight_decay=adam.weight_decay)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(True, grad_norm)
+        return OptimStepResult(True, grad_norm)
 
     def _grad_norm(self, tenant: str, params: list[nn.Parameter]) -> tuple[bool, float]:
         """(whether `tenant` has gradients to step with, their whole norm)."""

@@ -50,7 +50,7 @@ class ForwardResult:
 
 
 @dataclass
-class Op:
+class QueuedOperation:
     """One ordered operation of a model: what to do (`kind`, `payload`) and where its result goes."""
 
     kind: str
@@ -68,7 +68,7 @@ class Model:
     tenant: str
     rank: int
     next_seq: int = 1
-    waiting: dict[int, Op] = field(default_factory=dict)
+    waiting: dict[int, QueuedOperation] = field(default_factory=dict)
     busy: bool = False
     created_by: str = ""  # the request id of the create_model that made it
     issued: dict[int, tuple[str, str]] = field(default_factory=dict)  # recent seq_id -> (kind, request id)
@@ -86,7 +86,7 @@ class Scheduler:
     """
 
     def __init__(self, policy: TenantPolicy, futures: Futures, run_on_model: Callable[[Callable], Awaitable],
-                 single: Callable[[Model, Op], Awaitable], batch_window_s: float) -> None:
+                 single: Callable[[Model, QueuedOperation], Awaitable], batch_window_s: float) -> None:
         self.policy, self.futures, self.run_on_model, self.single = policy, futures, run_on_model, single
         self.batch_window_s = batch_window_s
         self.models: dict[str, Model] = {}
@@ -105,7 +105,7 @@ class Scheduler:
         if seq_id < model.next_seq or seq_id in model.waiting:
             raise RequestFailed(f"model {model.model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
         request_id, future = self.futures.new(model.owner)
-        model.waiting[seq_id] = Op(kind, seq_id, payload, future)
+        model.waiting[seq_id] = QueuedOperation(kind, seq_id, payload, future)
         model.issued[seq_id] = (kind, request_id)
         model.issued.pop(seq_id - ISSUED_KEPT, None)
         self._wake.set()
@@ -115,7 +115,7 @@ class Scheduler:
         """Give up `seq_id`'s place in `model`'s order: its request was refused (a 4xx), and the
         client has counted it, so the operations after it must not wait for it."""
         if seq_id >= model.next_seq and seq_id not in model.waiting:
-            model.waiting[seq_id] = Op(SKIP, seq_id, None, asyncio.get_running_loop().create_future())
+            model.waiting[seq_id] = QueuedOperation(SKIP, seq_id, None, asyncio.get_running_loop().create_future())
             self._wake.set()
 
     async def run(self) -> None:
@@ -130,7 +130,7 @@ class Scheduler:
             if passes and self.batch_window_s > 0:
                 await asyncio.sleep(self.batch_window_s)
                 passes += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
-            groups: dict[tuple[str, str, bool], list[tuple[Model, Op]]] = {}
+            groups: dict[tuple[str, str, bool], list[tuple[Model, QueuedOperation]]] = {}
             for model, op in passes:
                 payload = op.payload
                 key = (payload["loss"], json.dumps(payload["config"], sort_keys=True), payload["forward_only"])
@@ -138,7 +138,7 @@ class Scheduler:
             for group in groups.values():
                 loop.create_task(self._run_pass(group))
 
-    def _take_ready(self, wanted: Callable[[Op], bool]) -> list[tuple[Model, Op]]:
+    def _take_ready(self, wanted: Callable[[QueuedOperation], bool]) -> list[tuple[Model, QueuedOperation]]:
         ready = []
         for model in self.models.values():
             if not model.busy and (op := model.waiting.get(model.next_seq)) is not None and wanted(op):
@@ -147,7 +147,7 @@ class Scheduler:
                 ready.append((model, op))
         return ready
 
-    async def _run(self, models: list[Model], ops: list[Op], work: Awaitable[list]) -> None:
+    async def _run(self, models: list[Model], ops: list[QueuedOperation], work: Awaitable[list]) -> None:
         """Await `work` (one result per op), resolve the ops' futures, then free the models for their next."""
         try:
             for op, result in zip(ops, await work, strict=True):
@@ -163,14 +163,14 @@ class Scheduler:
                 model.busy = False
             self._wake.set()
 
-    async def _run_pass(self, group: list[tuple[Model, Op]]) -> None:
+    async def _run_pass(self, group: list[tuple[Model, QueuedOperation]]) -> None:
         models, ops = [model for model, _ in group], [op for _, op in group]
         log.debug("one pass for %d tenant(s): %d datums", len(ops), sum(len(op.payload["datums"]) for op in ops))
         self.pass_sizes[len(ops)] += 1
         self.pass_losses[ops[0].payload["loss"]] += 1
         await self._run(models, ops, self.run_on_model(lambda: self._shared_pass(models, ops)))
 
-    def _shared_pass(self, models: list[Model], ops: list[Op]) -> list[ForwardResult | RequestFailed]:
+    def _shared_pass(self, models: list[Model], ops: list[QueuedOperation]) -> list[ForwardResult | RequestFailed]:
         """One pass over every op's datums; if it fails with several tenants in it, each op alone
         (from the gradients before it), so that a failure is told only to the op at fault."""
         payload = ops[0].payload
@@ -192,7 +192,7 @@ class Scheduler:
                 results.append(as_failure(error))
         return results
 
-    def _pass(self, ops: list[Op], payload: dict) -> list[ForwardResult]:
+    def _pass(self, ops: list[QueuedOperation], payload: dict) -> list[ForwardResult]:
         datums = [datum for op in ops for datum in op.payload["datums"]]
         results = self.policy.forward_backward(datums, payload["loss"], backward=not payload["forward_only"],
                                                config=payload["config"])
@@ -200,7 +200,7 @@ class Scheduler:
         return [ForwardResult(results[start:end]) for start, end in itertools.pairwise(starts)]
 
 
-def _settle(op: Op, result: Any) -> None:
+def _settle(op: QueuedOperation, result: Any) -> None:
     if isinstance(result, RequestFailed):
         op.future.set_exception(result)
     else:

@@ -3,16 +3,17 @@
 Sessions own training models (one tenant each: its own LoRA adapter and optimizer on the shared
 base, `graft.tenants.policy`) and sampling sessions (a tenant's published version, or the base).
 Models' operations run in each model's order, forward_backward passes of several tenants together
-(graft.tenants.schedule). All model work runs on one thread, one job at a time; HTTP handling,
-sampling and adapter syncs run on the event loop beside it.
+(graft.tenants.schedule), the others one at a time (graft.tenants.operations). All model work runs
+on one thread, one job at a time; HTTP handling, sampling and adapter syncs run on the event loop
+beside it.
 
 Users: every session, model, sampling session, request and saved state belongs to the user whose key
 made it (graft.tenants.users). A lookup of another user's id or `tinker://` path fails exactly as a
 lookup of one that never existed (`NotFound`): nothing tells one user what another holds. Ids are
 random, so none is reused, also across restarts (a new client must never get a crashed service's
 model id, whose saved states it could then overwrite). Saved states live under
-`<state root>/<user>/<model id>/<name>`, so a restarted service on the same root serves each to its
-owner and to no one else.
+`<state root>/<user>/<model id>/<name>` (graft.tenants.operations), so a restarted service on the
+same root serves each to its owner and to no one else.
 """
 
 from __future__ import annotations
@@ -30,19 +31,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graft.atomic import sweep_temporaries
-from graft.tenants.checkpoint import CheckpointError, load_tenant, save_tenant, tenant_spec
+from graft.tenants.checkpoint import load_tenant, tenant_spec
 from graft.tenants.futures import Futures, NotFound, RequestFailed
+from graft.tenants.operations import ModelOperations
 from graft.tenants.parse import Bounds
-from graft.tenants.policy import AdamParams, TenantPolicy, TenantSpec
+from graft.tenants.policy import TenantPolicy, TenantSpec
 from graft.tenants.sampling import Samplers
-from graft.tenants.schedule import SKIP, Model, Op, Scheduler
-from graft.tenants.source import TenantSource
+from graft.tenants.schedule import Model, Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OPTIM_STEP, SAVE_FOR_SAMPLER = "optim_step", "save_weights_for_sampler"
-SAVE_STATE, LOAD_STATE = "save_weights", "load_weights"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -91,7 +90,10 @@ class TenantService:
         self.session_timeout_s = session_timeout_s
         self.sampling = Samplers(serving, self.futures, self.limits.engine_per_user)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
-        self.scheduler = Scheduler(policy, self.futures, self.run_on_model, self._single, batch_window_s)
+        self.operations = ModelOperations(policy, self.sampling, state_root, self.run_on_model)
+        # where users' states live: asked of the service by graft.tenants.rest (and tests)
+        self.state_dir, self.saved_state = self.operations.state_dir, self.operations.saved_state
+        self.scheduler = Scheduler(policy, self.futures, self.run_on_model, self.operations.run, batch_window_s)
         self.models: dict[str, Model] = self.scheduler.models
         self.pass_sizes = self.scheduler.pass_sizes
         self._tasks: list[asyncio.Task] = []
@@ -198,13 +200,13 @@ class TenantService:
         if (retried := self._created(owner, session_id, model_seq_id)) is not None:
             return retried
         state_dir = self.saved_state(owner, path)
-        spec = self._checked(path, state_dir, lambda: tenant_spec(state_dir, ""))
+        spec = self.operations.checked(path, state_dir, lambda: tenant_spec(state_dir, ""))
         model = self._new_model(owner, session_id, model_seq_id, spec.rank)
 
         def add_and_load() -> dict:
             self._add_tenant(dataclasses.replace(spec, name=model.tenant), model)
-            self._checked(path, state_dir, lambda: load_tenant(self.policy, model.tenant, state_dir,
-                                                               with_optimizer=with_optimizer))
+            self.operations.checked(path, state_dir, lambda: load_tenant(self.policy, model.tenant, state_dir,
+                                                                         with_optimizer=with_optimizer))
             return {"path": path, "model_id": model.model_id}
 
         model.created_by = self.futures.job(owner, self.run_on_model(add_and_load))
@@ -240,34 +242,6 @@ class TenantService:
         log.info("model %s of %s: tenant %s, rank %d, on %s", model.model_id, model.owner, spec.name, spec.rank,
                  ",".join(spec.target_modules))
         return {"model_id": model.model_id}
-
-    def state_dir(self, owner: str, path: str) -> Path:
-        """Where `owner`'s state at `path` (`tinker://<model id>/weights/<name>`, what `save_state`
-        returned) lives: under the user's own directory, whatever the path names."""
-        parts = path.removeprefix("tinker://").split("/")
-        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights" or any(
-                part in ("", ".", "..") or part.startswith(".") for part in parts):
-            raise RequestFailed(f"not a training state path: {path!r} (expected tinker://<model id>/weights/<name>)")
-        return self.state_root / owner / parts[0].replace(":", "_") / parts[2]
-
-    def saved_state(self, owner: str, path: str) -> Path:
-        """`state_dir`, which must hold a saved state.
-
-        Raises:
-            NotFound: none there (never saved, or another user's: they answer alike).
-        """
-        state_dir = self.state_dir(owner, path)
-        if not state_dir.is_dir():
-            raise NotFound(f"no saved state at {path!r}")
-        return state_dir
-
-    @staticmethod
-    def _checked(path: str, state_dir: Path, read: Callable[[], T]) -> T:
-        """`read()`, a checkpoint problem told by the client's `path`, not the server's directories."""
-        try:
-            return read()
-        except CheckpointError as error:
-            raise RequestFailed(str(error).replace(str(state_dir), path)) from None
 
     def info(self, owner: str, model_id: str) -> dict:
         model = self.model(owner, model_id)
@@ -315,34 +289,3 @@ class TenantService:
         """Give up `seq_id`'s place in `owner`'s model's order (`Scheduler.skip`)."""
         if (model := self.models.get(model_id)) is not None and model.owner == owner:
             self.scheduler.skip(model, seq_id)
-
-    async def _single(self, model: Model, op: Op) -> Any:
-        """Run `model`'s operation `op` (any but forward_backward, which the scheduler runs in passes)."""
-        if op.kind == SKIP:
-            return None
-        if op.kind == OPTIM_STEP:
-            return await self.run_on_model(functools.partial(self._optim_step, model, op.payload))
-        if op.kind == SAVE_STATE:
-            path = f"tinker://{model.model_id}/weights/{op.payload['name']}"
-            state_dir = self.state_dir(model.owner, path)
-            if state_dir.exists() and not op.payload["overwrite"]:
-                raise RequestFailed(f"a state is saved at {path!r} already; pass overwrite=True to replace it")
-            await self.run_on_model(functools.partial(save_tenant, self.policy, model.tenant, state_dir,
-                                                      overwrite=True))
-            return {"path": path}
-        if op.kind == LOAD_STATE:
-            path = op.payload["path"]
-            state_dir = self.saved_state(model.owner, path)
-            await self.run_on_model(lambda: self._checked(path, state_dir, lambda: load_tenant(
-                self.policy, model.tenant, state_dir, with_optimizer=op.payload["optimizer"])))
-            return {"path": path, "model_id": model.model_id}
-        if op.kind == SAVE_FOR_SAMPLER:
-            source = TenantSource(self.policy, model.tenant, self.run_on_model)
-            return await self.sampling.publish(model.owner, source, model.model_id, op.payload)
-        raise RequestFailed(f"unknown operation {op.kind!r}", "server")
-
-    def _optim_step(self, model: Model, adam: AdamParams) -> dict:
-        step = self.policy.optim_step(model.tenant, adam)
-        if not step.applied:
-            raise RequestFailed(f"optim_step of model {model.model_id!r} refused: {step.refused}")
-        return {"metrics": {"grad_norm": step.grad_norm}}
