@@ -1,8 +1,9 @@
-"""What several benches share: random models of a named shape and the vLLM server serving one, the
-syncs the sync benches measure, medians of timed rounds, and plots.
+"""What several benches share: random models of a named shape and the vLLM server serving one, a
+random adapter and its merged model for a served base, the syncs the sync benches measure, medians
+of timed rounds, and plots.
 
-A bench module imports from here, never from another bench: that kept `graft bench sync` and the
-modules of its `--stall` and `--sweep` variants from importing each other in a circle.
+The sync benches (`sync`, its `--stall` and `--sweep` variants, `verify`) take these from here, not
+from one another: `graft bench sync` and the variants' modules imported each other in a circle.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from rich.console import Console
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from graft.lora.adapter_io import adapter_state_dict
-from graft.lora.attach import lora_parameters
+from graft.lora.adapter_io import adapter_state_dict, save_adapter
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.lora.export import save_merged_model
+from graft.models.loading import load_model
 from graft.models.tokenizer import train_tokenizer
 from graft.rollout.engine import RolloutEngine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
@@ -56,6 +59,7 @@ SHAPES = {
 }
 # The adapter sync benches' modes and the transport (graft.sync.transport) each syncs by.
 ADAPTER_MODES = {"adapter": "disk", "adapter-memory": "memory", "adapter-memory-shm": "shm"}
+ADAPTER = "bench-v1"  # the name `prepare_adapter_and_merged`'s adapter is served under
 
 
 def qwen2_config(shape: ModelShape, *, eos_token_id: int | None = None, pad_token_id: int | None = None
@@ -92,6 +96,19 @@ def bench_server(shape: ModelShape, work: Path, max_lora_rank: int,
         yield base, server
     finally:
         server.stop()
+
+
+def prepare_adapter_and_merged(base: Path, work: Path, rank: int, dtype: torch.dtype) -> tuple[Path, Path]:
+    """A random non-zero adapter for `base`, and `base` with it merged, both in `dtype`."""
+    model = attach_lora(load_model(base), rank=rank, alpha=2 * rank, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in lora_parameters(model).values():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    adapter = save_adapter(model, work / "adapter", dtype=dtype)
+    merged = work / "merged"
+    save_merged_model(model, merged, dtype=dtype)
+    return adapter, merged
 
 
 def adapter_bench_sync(engine: RolloutEngine, work: Path, transport: str,

@@ -46,7 +46,7 @@ class _ServerWithEnvironment(VllmServer):
 
 def run_cores_bench(models: tuple[tuple[int, int] | str, ...] = MODELS, steps: int = 6, warmup: int = 2) -> dict:
     """Per model point and server setting: medians of s/step and its rollout/train/sync."""
-    from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
+    from graft.bench.common import ADAPTER, prepare_adapter_and_merged
 
     console, rows = Console(stderr=True), []
     for point in models:

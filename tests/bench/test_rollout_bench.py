@@ -3,7 +3,8 @@ import asyncio
 import pytest
 import torch
 
-from graft.bench.rollout import measure_rollout, prepare_adapter_and_merged
+from graft.bench.common import prepare_adapter_and_merged
+from graft.bench.rollout import measure_rollout
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient
 
