@@ -1,4 +1,4 @@
-"""The quickstart's ingredients, as a library (the benches use them too), per task (`TASKS`): its
+"""The quickstart's ingredients, as a library (the benches use them too), per task (`QUICKSTART_TASKS`): its
 warm-up base model, built once per seed and cached, and its training settings, read from the task's
 shipped config (`configs/quickstart.yaml`, `configs/tools-quickstart.yaml`, ...).
 """
@@ -43,7 +43,7 @@ class QuickstartTask:
     held_out: str
 
 
-TASKS = {
+QUICKSTART_TASKS = {
     "arithmetic": QuickstartTask(SFT_ARGS, sft_base_model, "configs/quickstart.yaml",
                                  "supervised warm-up on arithmetic until half its answers are right, 1-5 min",
                                  "accuracy (greedy)"),
@@ -60,7 +60,7 @@ TASKS = {
 def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = "arithmetic") -> tuple[Path, bool]:
     """The warm-up base model of `task` for `seed`, built on first use; (its directory, whether it was
     built now)."""
-    spec = TASKS[task]
+    spec = QUICKSTART_TASKS[task]
     args = {**spec.sft_args, "seed": seed}
     # The arithmetic key has no task in it: bases cached before there were several tasks stay valid.
     keyed = {**args, "recipe": RECIPE} if task == "arithmetic" else {**args, "task": task}
@@ -75,8 +75,9 @@ def cached_base_model(seed: int, cache_dir: Path, console: Console, task: str = 
 
 
 # `graft quickstart --model NAME`: a real pretrained model from `graft.models.packaged`, trained on
-# arithmetic as it is (no warm-up) with its own shipped config.
-REAL_MODEL_CONFIGS = {"smollm2": "configs/smollm2-quickstart.yaml"}
+# arithmetic as it is (no warm-up) with its own shipped config (a base model's with text prompts).
+REAL_MODEL_CONFIGS = {"smollm2": "configs/smollm2-quickstart.yaml",
+                      "gemma3-270m": "configs/gemma3-quickstart.yaml"}
 MODELS = ("tiny", *REAL_MODEL_CONFIGS)
 
 
@@ -97,8 +98,8 @@ def quickstart_base(model: str, task: str, seed: int, cache_dir: Path, console: 
 
 
 def shipped_config(task: str, overrides: list[str], model: str = "tiny") -> GraftConfig:
-    """The shipped config of `task` (`TASKS[task].config`) or real `model` with `overrides` on top."""
-    return load_config(REPO / (TASKS[task].config if model == "tiny" else REAL_MODEL_CONFIGS[model]), overrides)
+    """The shipped config of `task` (`QUICKSTART_TASKS[task].config`) or real `model` with `overrides` on top."""
+    return load_config(REPO / (QUICKSTART_TASKS[task].config if model == "tiny" else REAL_MODEL_CONFIGS[model]), overrides)
 
 
 def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic",

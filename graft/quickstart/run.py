@@ -4,7 +4,7 @@
    arithmetic (`graft.quickstart.warmup`), or on a teacher's episodes of a multi-turn environment
    (`--task tools|guessing`, `graft.quickstart.multiturn`), built once and cached by its arguments.
 2. A vLLM server launched by graft, serving that base with runtime LoRA loading.
-3. `graft train` with the task's shipped config's settings (`graft.quickstart.base.TASKS`): every
+3. `graft train` with the task's shipped config's settings (`graft.quickstart.base.QUICKSTART_TASKS`): every
    step publishes the adapter as `graft-v<N>`, loads it, verifies it, and unloads versions outside
    the retention window.
 4. Held-out greedy accuracy (multi-turn: greedy-episode reward) before and after, the reward plot,
@@ -26,7 +26,7 @@ from rich.table import Table
 from graft.atomic import atomic_write_text
 from graft.config import GraftConfig
 from graft.models.cache import default_cache_dir
-from graft.quickstart.base import TASKS, quickstart_base, quickstart_config
+from graft.quickstart.base import QUICKSTART_TASKS, quickstart_base, quickstart_config
 from graft.rollout.engine import EngineUnavailableError
 from graft.train.checkpoint import latest_checkpoint
 from graft.train.metrics import read_jsonl
@@ -58,7 +58,7 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
     summary = {
         "task": task,
         "model": model,
-        "held_out": TASKS[task].held_out,
+        "held_out": QUICKSTART_TASKS[task].held_out,
         "accuracy_before": result["accuracy_before"],
         "accuracy_after": result["accuracy_after"],
         "seconds": time.perf_counter() - start,

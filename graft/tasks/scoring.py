@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from graft.tasks.examples import Example, prompt_messages
+from graft.tasks.examples import Example, prompt_messages, shorten
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _checked(results: list[Any], errors: dict[int, Exception]) -> tuple[list[flo
 def _as_reward(value: Any) -> float:
     # bool counts (True = 1.0: a verifier's verdict); numpy scalars and 0-d tensors have __float__.
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise _NotANumber(f"returned {_shorten(repr(value))} ({type(value).__name__}), not a number")
+        raise _NotANumber(f"returned {shorten(repr(value))} ({type(value).__name__}), not a number")
     number = float(value)
     if not math.isfinite(number):
         raise _NotANumber(f"returned {number}, not a finite number")
@@ -183,8 +183,8 @@ def _describe(term: RewardTerm, error: Exception, completion: str, example: Exam
     if failed > 1 and not batch:
         batch = f" ({failed} of {total} completions of the batch failed; the first:)"
     prompt = prompt_messages(example)[-1]["content"]
-    lines = [f"reward {term.name!r} {what}{batch} on the example with prompt {_shorten(repr(prompt))}, "
-             f"answer {_shorten(repr(example.answer))}, completion {_shorten(repr(completion))}"]
+    lines = [f"reward {term.name!r} {what}{batch} on the example with prompt {shorten(repr(prompt))}, "
+             f"answer {shorten(repr(example.answer))}, completion {shorten(repr(completion))}"]
     if not isinstance(error, _NotANumber):
         # The reward's own frames: this module's call sites say nothing the user can act on.
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__]
@@ -192,7 +192,3 @@ def _describe(term: RewardTerm, error: Exception, completion: str, example: Exam
         lines.append("".join(traceback.format_list(frames[-_TRACEBACK_FRAMES:])).rstrip("\n"))
         lines.append("".join(traceback.format_exception_only(error)).rstrip("\n"))
     return "\n".join(line for line in lines if line)
-
-
-def _shorten(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,9 +12,9 @@ from graft.quickstart import base as quickstart
 REPO = Path(__file__).parents[2]
 
 
-@pytest.mark.parametrize("task", list(quickstart.TASKS))
+@pytest.mark.parametrize("task", list(quickstart.QUICKSTART_TASKS))
 def test_quickstart_runs_what_its_shipped_config_says(tmp_path, task):
-    config = quickstart.TASKS[task].config
+    config = quickstart.QUICKSTART_TASKS[task].config
     shipped = load_config(REPO / config, [f"model.path={tmp_path}", "train.seed=3"])
     assert quickstart.quickstart_config(tmp_path, seed=3, task=task) == shipped
     assert quickstart.quickstart_config(tmp_path, seed=3, steps=7, task=task).train.steps == 7
@@ -30,9 +30,9 @@ SMALL_ARGS = {
 }
 
 
-@pytest.mark.parametrize("task", list(quickstart.TASKS))
+@pytest.mark.parametrize("task", list(quickstart.QUICKSTART_TASKS))
 def test_base_model_is_built_once_per_arguments_and_task(tmp_path, monkeypatch, task):
-    monkeypatch.setitem(quickstart.TASKS, task, replace(quickstart.TASKS[task], sft_args=SMALL_ARGS[task]))
+    monkeypatch.setitem(quickstart.QUICKSTART_TASKS, task, replace(quickstart.QUICKSTART_TASKS[task], sft_args=SMALL_ARGS[task]))
     console = Console(file=open(tmp_path / "out.txt", "w"))
     first, built = quickstart.cached_base_model(0, tmp_path / "cache", console, task)
     assert built and (first / "sft.json").is_file()
@@ -47,7 +47,7 @@ def test_the_cli_offers_exactly_the_quickstart_tasks():
 
     quickstart_parser = build_parser()._subparsers._group_actions[0].choices["quickstart"]
     [task] = [a for a in quickstart_parser._actions if a.dest == "task"]
-    assert set(task.choices) == set(quickstart.TASKS) and task.default == "arithmetic"
+    assert set(task.choices) == set(quickstart.QUICKSTART_TASKS) and task.default == "arithmetic"
 
 
 def test_the_cli_offers_exactly_the_quickstart_models():
