@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -139,6 +140,9 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
         urls, server = list(rollout.urls), None
         if not urls:
             server = launched_server(config, run_dir, syncs)
+            # Told, not silent: on 2 CPU cores a server takes 30-70 s to answer (SmolLM2), more for a larger model.
+            print(f"graft: starting a {rollout.engine} server for {config.model.path} (its log in "
+                  f"{server.config.log_dir}); it takes a minute or so on CPU cores", file=sys.stderr, flush=True)
             try:
                 await asyncio.to_thread(server.start)
             except BaseException:  # cancelled by Ctrl-C / SIGTERM: the starting thread stops the server

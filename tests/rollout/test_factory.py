@@ -55,7 +55,7 @@ def _server_pgid(port: int) -> int:
 
 @pytest.mark.vllm
 def test_launched_adapter_server_has_no_dev_endpoints_follows_max_model_len_and_its_death_is_named(
-        base_dir, tmp_path):
+        base_dir, tmp_path, capsys):
     config = load_config(None, [f"model.path={base_dir}", "rollout.max_lora_rank=8", "lora.rank=8",
                                 "rollout.max_model_len=1024"])
     adapter = save_adapter(trained_like_peft_model(base_dir, rank=8), tmp_path / "adapter")
@@ -63,6 +63,8 @@ def test_launched_adapter_server_has_no_dev_endpoints_follows_max_model_len_and_
     async def scenario():
         async with open_engine(config, tmp_path / "run") as engine:
             url = engine.address
+            said = f"graft: starting a vllm server for {base_dir} (its log in {tmp_path / 'run' / 'logs'})"
+            assert said in capsys.readouterr().err  # a minute, said not silent
             # Adapter sync: the dev endpoints are not served, and merged sync would be refused up front.
             assert _status("POST", url + "/collective_rpc") == 404 and _status("POST", url + "/pause") == 404
             with pytest.raises(BadRequestError, match="graft serve --weight-reload"):
