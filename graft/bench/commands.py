@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -75,10 +76,14 @@ def bench_list() -> str:
 
 
 def bench_parser(name: str) -> argparse.ArgumentParser:
-    """`graft bench NAME`'s parser: --json, then the flags the bench module declares."""
+    """`graft bench NAME`'s parser: --json and --record, then the flags the bench module declares."""
     parser = argparse.ArgumentParser(prog=f"graft bench {name}", description=f"{BENCHES[name].about} Results and "
                                      "how to read them: docs/benchmarks.md.")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--record", nargs="?", const=name, metavar="NAME",
+                        help=f"also keep the results as docs/results/NAME.json (default NAME: {name}) with this "
+                             "machine, the date, the command and the git revision; `graft bench report` then "
+                             "renders the docs' tables from it")
     importlib.import_module(BENCHES[name].module).add_arguments(parser)
     return parser
 
@@ -92,8 +97,14 @@ def run_bench(name: str, argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if result.get("failed"):
-        print(f"graft bench {name}: failed: {', '.join(result['failed'])} (why: above)", file=sys.stderr)
+        print(f"graft bench {name}: failed: {', '.join(result['failed'])} (why: above)"
+              + ("; not recorded" if args.record else ""), file=sys.stderr)
         return 1
+    if args.record:
+        from graft.bench.results import record
+
+        path = record(args.record, result, shlex.join(["graft", "bench", name, *argv]))
+        print(f"recorded {path}; `graft bench report` renders it into the docs")
     return 0
 
 
@@ -103,7 +114,19 @@ def add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (measured side by side in one run)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=bench_list(),
                        description="Run one bench: `graft bench BENCH [FLAGS]`; `graft bench BENCH --help` shows "
-                                   "its flags. Results and how to read them: docs/benchmarks.md.")
-    p.add_argument("bench", choices=list(BENCHES), metavar="BENCH", help="the bench to run (listed below)")
+                                   "its flags; `--record` keeps the results in docs/results/, from which `graft "
+                                   "bench report` renders the docs' tables. Results and how to read them: "
+                                   "docs/benchmarks.md.")
+    p.add_argument("bench", choices=[*BENCHES, "report"], metavar="BENCH",
+                   help="the bench to run (listed below), or report: render the docs' result tables from "
+                        "docs/results/*.json (`graft bench report --help`)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="FLAGS", help="the bench's own flags")
-    p.set_defaults(func=lambda args: run_bench(args.bench, args.bench_args))
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.bench == "report":
+        from graft.bench.report import main
+
+        return main(args.bench_args)
+    return run_bench(args.bench, args.bench_args)
