@@ -14,6 +14,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from graft.bench.results import record, result_name
+
 
 @dataclass(frozen=True)
 class Bench:
@@ -80,7 +82,7 @@ def bench_parser(name: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"graft bench {name}", description=f"{BENCHES[name].about} Results and "
                                      "how to read them: docs/benchmarks.md.")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    parser.add_argument("--record", nargs="?", const=name, metavar="NAME",
+    parser.add_argument("--record", nargs="?", const=name, type=result_name, metavar="NAME",
                         help=f"also keep the results as docs/results/NAME.json (default NAME: {name}) with this "
                              "machine, the date, the command and the git revision; `graft bench report` then "
                              "renders the docs' tables from it")
@@ -101,8 +103,6 @@ def run_bench(name: str, argv: list[str]) -> int:
               + ("; not recorded" if args.record else ""), file=sys.stderr)
         return 1
     if args.record:
-        from graft.bench.results import record
-
         path = record(args.record, result, shlex.join(["graft", "bench", name, *argv]))
         print(f"recorded {path}; `graft bench report` renders it into the docs")
     return 0

@@ -18,6 +18,7 @@ numbers are only as precise as the docs printed them.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -78,6 +79,22 @@ def git_revision() -> str | None:
     return revision + ("+changes" if changed else "")
 
 
+def _check_name(name: str, directory: Path) -> None:
+    if not name or Path(name).name != name or name.startswith("."):
+        raise ValueError(f"result name {name!r}: a plain file name without a folder, e.g. e2e-smollm2")
+    if not directory.parent.is_dir():
+        raise ValueError(f"{directory.parent} does not exist: results are kept in a source checkout's docs/")
+
+
+def result_name(name: str) -> str:
+    """`--record NAME`'s check, at parse time: a bench of twenty minutes should not end on a bad name."""
+    try:
+        _check_name(name, RESULTS_DIR)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def record(name: str, result: dict, command: str, *, date: datetime.date | None = None,
            directory: Path | None = None) -> Path:
     """Write `result` with this machine, the date, `command` and the git revision as
@@ -87,11 +104,8 @@ def record(name: str, result: dict, command: str, *, date: datetime.date | None 
         ValueError: a name that is not a plain file name, or no docs/ beside the package (graft
             installed from a wheel has no docs to keep results in).
     """
-    if not name or Path(name).name != name or name.startswith("."):
-        raise ValueError(f"result name {name!r}: a plain file name without a folder, e.g. e2e-smollm2")
     directory = directory or RESULTS_DIR
-    if not directory.parent.is_dir():
-        raise ValueError(f"{directory.parent} does not exist: results are kept in a source checkout's docs/")
+    _check_name(name, directory)
     directory.mkdir(exist_ok=True)
     kept = {"name": name, "command": command, "date": (date or datetime.date.today()).isoformat(),
             "machine": machine(), "git": git_revision(), "result": result}

@@ -71,9 +71,12 @@ def test_a_failed_bench_is_not_recorded(fake_bench, capsys):
     assert "not recorded" in capsys.readouterr().err
 
 
-def test_a_result_name_is_a_plain_file_name(fake_bench):
-    with pytest.raises(ValueError, match="a plain file name"):
+def test_a_result_name_is_checked_before_the_bench_runs(fake_bench, capsys):
+    with pytest.raises(SystemExit):
         commands.run_bench("fake", ["--record", "../elsewhere"])
+    assert "a plain file name" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="a plain file name"):
+        results.record("../elsewhere", {}, "graft bench fake")
 
 
 def _quickstart_run(run_dir):
