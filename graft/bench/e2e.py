@@ -14,7 +14,7 @@ neither side overlaps anything).
   previous version while the update and the sync run).
 - graft-merged: on-policy with `sync.mode: merged` (rollouts through plain weights, which vLLM-CPU
   samples faster than through an adapter; each sync merges and reloads the whole model).
-- TRL: `graft.bench.trl_worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
+- TRL: `graft.bench.trl.worker` in the TRL virtualenv (HF generate, no server, nothing to sync);
   split = generation + scoring / the rest.
 - floor: what no vLLM-based step can beat — the step's prompts and samples generated in one
   plain `/v1/completions` call (unseeded; the server's own time for the batch, through an
@@ -79,7 +79,7 @@ MODELS = ((128, 2), (512, 8))
 
 
 def graft_overrides(base: Path, url: str, workload: Workload, steps: int, seed: int, name: str) -> list[str]:
-    """`graft train` settings equal to the TRL side's (see `trl_worker.trl_arguments`)."""
+    """`graft train` settings equal to the TRL side's (see `graft.bench.trl.worker.trl_arguments`)."""
     return [
         f"model.path={base}", "model.dtype=float32",
         f"lora.name={name}", f"lora.rank={LORA['rank']}", f"lora.alpha={LORA['alpha']}",

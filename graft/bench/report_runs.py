@@ -136,6 +136,7 @@ TABLES = {
                            quickstart_accuracy),
     "quickstart-smollm2-steps": (("quickstart-smollm2-seed0", "quickstart-smollm2-seed1",
                                   "quickstart-smollm2-seed2"), quickstart_steps),
+    "quickstart-gemma3-270m": (("quickstart-gemma3-270m-seed0",), quickstart_accuracy),
     "quickstart": (("quickstart-seed0", "quickstart-seed1", "quickstart-seed2"), quickstart_accuracy),
     "quickstart-tools": (("quickstart-tools-seed0", "quickstart-tools-seed1", "quickstart-tools-seed2"),
                          quickstart_accuracy),
