@@ -19,6 +19,7 @@ from graft.config import GraftConfig
 from graft.lora.attach import lora_parameters
 from graft.lora.policy import build_policy
 from graft.sync.source import ModelSource, PolicySource
+from graft.train.abandon import stop_points
 from graft.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -87,6 +88,7 @@ class PolicyState:
         self.model = build_policy(config.model, config.lora, config.train.seed).to(ctx.device)
         parallelize(self.model, ctx, activation_checkpointing=config.train.activation_checkpointing,
                     lora_compute_dtype=config.train.lora_compute_dtype, compile_layers=config.train.compile)
+        self._stopping = stop_points(self.model)
         # What the sync publishes and verifies (rank 0): with one rank the model itself; sharded, the
         # LoRA weights gathered after each step (a LoRA-only gather) plus collectives for the rest.
         self._lora: dict[str, torch.Tensor] = {}
@@ -126,6 +128,11 @@ class PolicyState:
         self._gather_for_publishing()
         self.version = step
         return {**metrics, "lr": lr}
+
+    def abandon(self) -> None:
+        """The run is stopping: an update (or a check's forward) running on another thread ends at its
+        next decoder layer with `graft.train.abandon.Abandoned`; the model is not used again."""
+        self._stopping.set()
 
     def _gather_for_publishing(self) -> None:
         """A collective (all-gather of each LoRA shard) on every rank; rank 0 keeps the result."""

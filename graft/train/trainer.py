@@ -51,8 +51,9 @@ from graft.train.staleness import RolloutProducer
 
 __all__ = ["ResumeError", "RunDirError", "train"]
 
-# How long a run that stops early spends unloading its older adapter versions (a few HTTP calls).
-_EXIT_UNLOAD_TIMEOUT_S = 10.0
+# How long a run that stops early spends unloading its older adapter versions (a few HTTP calls, tens
+# of ms on a server that answers): a stopped run has ~10 s in all before docker's SIGKILL.
+_EXIT_UNLOAD_TIMEOUT_S = 3.0
 
 T = TypeVar("T")
 
@@ -110,6 +111,10 @@ class _Leader:
             self.log.add_eval(train.steps, await self._evaluate())
             await sync.close()
         except BaseException:
+            # First, before any await: an update running on the model thread ends at its next layer
+            # (`graft.train.abandon`) instead of being waited for in the `finally` below (a SIGTERM'd
+            # SmolLM2 run waited 28 s there), and is never applied: nothing is published or saved after.
+            policy.abandon()
             await self._stop_checking()
             await self._leave_last_good_served()
             raise
