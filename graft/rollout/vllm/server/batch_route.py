@@ -45,7 +45,10 @@ def add_batch_route(app) -> None:
         if any(r.stream for r in requests):
             return _error(400, "streaming is not supported in a batch")
         handler = raw_request.app.state.openai_serving_completion
-        answers = await asyncio.gather(*(handler.create_completion(r, raw_request) for r in requests))
+        answers = await _unless_disconnected(
+            asyncio.gather(*(handler.create_completion(r, raw_request) for r in requests)), raw_request)
+        if answers is None:  # the client is gone: nobody reads an answer
+            return None
         for answer in answers:
             if not isinstance(answer, CompletionResponse):  # an ErrorResponse
                 return JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
@@ -54,6 +57,27 @@ def add_batch_route(app) -> None:
     def _error(status: int, message: str):
         return JSONResponse(status_code=status, content={"error": {"message": message, "type": "BadRequestError",
                                                                    "code": status}})
+
+
+async def _unless_disconnected(work: asyncio.Future, raw_request) -> Any:
+    """`work`'s result, or None once the client disconnects: then `work` is cancelled, which aborts
+    its requests in the engine, as vLLM's own routes do (`with_cancellation`, which cannot wrap this
+    route: it reads the body itself). Why: a stopped trainer leaves its batch in flight, and a
+    handler still awaiting it held the server's shutdown — measured on SmolLM2-135M, a SIGTERM'd
+    server whose engine had been stopped waited on its 8 requests until SIGKILL 20 s later."""
+    async def disconnected() -> None:  # the body was read: only a disconnect can come now
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:
+            work.cancel()
+    return None if gone else work.result()
 
 
 def patch_build_app(add_route: Callable[[Any], None]) -> None:
