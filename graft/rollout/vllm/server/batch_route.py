@@ -77,6 +77,7 @@ async def _unless_disconnected(work: asyncio.Future, raw_request) -> Any:
         gone = not work.done()
         if gone:
             work.cancel()
+            work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: not logged as lost
     return None if gone else work.result()
 
 
