@@ -194,3 +194,29 @@ def test_adapter_sync_cycles_with_concurrent_generation_keep_the_window(sglang_s
 
     run(main())
     assert len(served) >= cycles and len(set(served)) > cycles // 2
+
+
+def test_an_idle_server_leaves_the_cores_alone(sglang_server):
+    """--sleep-on-idle: without it SGLang's scheduler polls its sockets non-stop, and the suite's session
+    server held 87% of one of 2 cores for the 49 minutes after its tests."""
+    import os
+    import subprocess
+    import time
+
+    def cpu_seconds() -> float:
+        listing = subprocess.run(["ps", "-e", "-o", "pgid=,pid="], capture_output=True, text=True, check=True)
+        pids = [pid for pgid, pid in (line.split() for line in listing.stdout.splitlines())
+                if int(pgid) == sglang_server.pid]
+        ticks = 0
+        for pid in pids:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime + stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    time.sleep(1.0)  # whatever the last test asked has ended
+    before = cpu_seconds()
+    time.sleep(3.0)
+    assert cpu_seconds() - before < 0.6  # under a fifth of a core: polling would take ~2.6 s of the 3

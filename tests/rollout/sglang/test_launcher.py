@@ -31,7 +31,7 @@ def test_command_uses_sglangs_venv_and_the_torch_native_cpu_backends(tmp_path):
     assert flags["--model-path"] == "/m" and flags["--host"] == "127.0.0.1" and flags["--port"] == "4321"
     assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
     assert flags["--lora-backend"] == "torch_native" and flags["--max-loras-per-batch"] == "3"
-    assert flags["--context-length"] == "512" and "--enable-lora" in args
+    assert flags["--context-length"] == "512" and "--enable-lora" in args and "--sleep-on-idle" in args
     assert args[args.index("--lora-target-modules") + 1:][:7] == ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                  "gate_proj", "up_proj", "down_proj"]
 
