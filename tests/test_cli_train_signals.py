@@ -1,8 +1,10 @@
-"""A `graft train` that launched its own vLLM server leaves no server process behind when it is
-stopped from outside: SIGTERM (how Slurm, docker and systemd stop a job) unwinds like Ctrl-C and
-stops the server; after SIGKILL (or the OOM killer) the server notices its owner is gone and stops
-its whole process group. When the server is the one killed, the run stops with one error that says
-so, names the server's log and how to resume. Each case starts a real vLLM server of its own (~40-70 s)."""
+"""A `graft train` stopped from outside is gone within 10 s (docker's SIGKILL follows its SIGTERM by
+10 s, Slurm's by 30) and leaves no server process behind: SIGTERM (how Slurm, docker and systemd stop a
+job) unwinds like Ctrl-C and stops the server; after SIGKILL (or the OOM killer) the server notices
+its owner is gone and stops its whole process group. A run stopped in the middle of an update resumes
+as if it had never stopped. When the server is the one killed, the run stops with one error that
+says so, names the server's log and how to resume. Each vLLM case starts a real vLLM server of its
+own (~40-70 s)."""
 
 import os
 import signal
@@ -14,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import live_group_members
+
+# How soon after SIGTERM or SIGINT a stopped run must be gone: docker's SIGKILL comes 10 s after its SIGTERM.
+STOP_S = 10.0
 
 
 def _children_running(module: str, parent: int) -> list[int]:
@@ -53,6 +58,18 @@ def _start_train(base_dir: Path, run_dir: Path, stderr_path: Path) -> subprocess
         command += ["-o", override]
     with open(stderr_path, "w") as stderr_file:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file)
+
+
+def _stopped_within(process: subprocess.Popen, sig: signal.Signals, seconds: float) -> int:
+    """Send `sig`; the exit code, which must come within `seconds`."""
+    sent = time.monotonic()
+    process.send_signal(sig)
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {seconds:g} s after {sig.name}") from None
+    finally:
+        print(f"{sig.name} to exit: {time.monotonic() - sent:.1f} s")
 
 
 def _server_group_mid_run(trainer: subprocess.Popen, run_dir: Path) -> int:
@@ -95,8 +112,7 @@ def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, si
     trainer = _start_train(base_dir, run_dir, stderr_path)
     try:
         pgid = _server_group_mid_run(trainer, run_dir)
-        trainer.send_signal(sig)
-        returncode = trainer.wait(timeout=60)
+        returncode = _stopped_within(trainer, sig, STOP_S if sig == signal.SIGTERM else 60)
         stderr = stderr_path.read_text()
         _wait_for(lambda: not live_group_members(pgid), 30, f"the vLLM process group {pgid} to exit")
     finally:
@@ -140,8 +156,7 @@ def test_a_signal_during_server_start_up_acts_at_once(base_dir, tmp_path, sig, c
                               "the trainer to launch vLLM")
         pgid = os.getpgid(server)
         time.sleep(2.0)  # vLLM is importing: /health answers only tens of seconds later
-        trainer.send_signal(sig)
-        assert trainer.wait(timeout=60) == code, stderr_path.read_text()[-2000:]
+        assert _stopped_within(trainer, sig, STOP_S) == code, stderr_path.read_text()[-2000:]
         _wait_for(lambda: not live_group_members(pgid), 30, f"the vLLM process group {pgid} to exit")
     finally:
         trainer.kill()
@@ -170,8 +185,7 @@ def test_a_sigtermed_run_on_a_users_server_leaves_only_its_last_version_loaded(v
                                    stderr=stderr_file)
     metrics = tmp_path / "run" / "metrics.jsonl"
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
-    trainer.send_signal(signal.SIGTERM)
-    assert trainer.wait(timeout=60) == 143, (tmp_path / "stderr").read_text()[-2000:]
+    assert _stopped_within(trainer, signal.SIGTERM, STOP_S) == 143, (tmp_path / "stderr").read_text()[-2000:]
 
     async def served_then_unload():
         async with VllmClient(vllm_server.url) as client:
@@ -183,3 +197,78 @@ def test_a_sigtermed_run_on_a_users_server_leaves_only_its_last_version_loaded(v
     served = asyncio.run(served_then_unload())
     last = max(json.loads(line)["policy_version"] for line in metrics.read_text().splitlines())
     assert len(served) == 1 and int(served[0].rsplit("-v", 1)[1]) >= last, served
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from graft.models.packaged import packaged_model_dir
+
+    return packaged_model_dir("smollm2")
+
+
+def _train_command(model_dir: Path, run_dir: Path, reward: Path, *, resume: bool = False) -> list[str]:
+    """`graft train` of 3 steps on SmolLM2 with the in-process reference engine (no server: the
+    deterministic engine the exact-resume tests use), 2 optimizer steps per update, a checkpoint
+    after every step."""
+    overrides = [f"model.path={model_dir}", "rollout.engine=reference", "train.steps=3", "train.batch_prompts=2",
+                 "rollout.n_samples=2", "rollout.max_new_tokens=8", "rollout.max_staleness=0", "train.mini_batches=2",
+                 "train.lr=1e-3", "train.eval_examples=2", "train.eval_every=0",
+                 "train.checkpoint_every=1", "train.keep_checkpoints=0", f"data.reward={reward}:parity"]
+    command = [sys.executable, "-m", "graft.cli", "train", "configs/smollm2-quickstart.yaml", "--run-dir", str(run_dir)]
+    return command + [a for o in overrides for a in ("-o", o)] + (["--resume"] if resume else [])
+
+
+def _stacks_show(process: subprocess.Popen, stderr_path: Path, function: str) -> bool:
+    """Whether a thread of `process` is now in `function`: graft's stack dump on SIGUSR1 (graft.cli),
+    read from its stderr file."""
+    before = stderr_path.stat().st_size
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(0.1)  # faulthandler writes the dump from its signal handler, at once
+    with open(stderr_path, errors="replace") as stderr:
+        stderr.seek(before)
+        return f" in {function}\n" in stderr.read()
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_run_stopped_mid_update_leaves_the_last_step_saved_and_resumes_as_if_never_stopped(smollm2_dir, tmp_path):
+    """SIGTERM while step 2's update runs (after some of its optimizer steps, or before): gone within
+    10 s, checkpoint 1 and published version 1 as they were, nothing of step 2 saved or published; the
+    resumed run's steps 2 and 3 give the metrics of a run never stopped."""
+    from graft.sync.publish import WeightPublisher, read_version
+    from graft.train.metrics import read_jsonl
+
+    reward = tmp_path / "parity.py"  # a reward SmolLM2's short answers earn about half the time
+    reward.write_text("def parity(text, example):\n    return float(len(text) % 2 == 0)\n")
+    whole, parts, stderr_path = tmp_path / "whole", tmp_path / "parts", tmp_path / "stderr.txt"
+    subprocess.run(_train_command(smollm2_dir, whole, reward), check=True, stdout=subprocess.DEVNULL, timeout=900)
+    with open(stderr_path, "w") as stderr_file:
+        trainer = subprocess.Popen(_train_command(smollm2_dir, parts, reward), stdout=subprocess.DEVNULL,
+                                   stderr=stderr_file)
+    try:
+        first = parts / "checkpoints" / "step-000001"
+        _wait_for(first.is_dir, 600, "the checkpoint of step 1")
+        saved = _digests(first)
+        _wait_for(lambda: _stacks_show(trainer, stderr_path, "policy_update"), 300, "step 2's update")
+        assert _stopped_within(trainer, signal.SIGTERM, STOP_S) == 143, stderr_path.read_text()[-3000:]
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert "Traceback" not in stderr_path.read_text()
+    assert [p.name for p in (parts / "checkpoints").iterdir()] == ["step-000001"] and _digests(first) == saved
+    published = WeightPublisher(parts / "weights").latest("adapter")
+    assert published.version == 1 and read_version(parts / "weights", "adapter", 1).version == 1  # files verified
+
+    subprocess.run(_train_command(smollm2_dir, parts, reward, resume=True), check=True, stdout=subprocess.DEVNULL,
+                   timeout=900)
+    expected, got = read_jsonl(whole / "metrics.jsonl"), read_jsonl(parts / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3] and len({r["grad_norm"] for r in expected}) == 3
+    for want, have in zip(expected[1:], got[1:]):
+        for key in ("reward_mean", "reward_std", "loss", "entropy", "grad_norm", "logprob_abs_diff_max",
+                    "rollout_tokens", "policy_version", "lr"):
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (have["step"], key)
