@@ -25,7 +25,7 @@ from graft.rollout.launcher import ServerProcess
 from graft.rollout.pool import EnginePool
 from graft.rollout.reference import ReferenceEngine
 from graft.rollout.sglang.client import SglangClient
-from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig
+from graft.rollout.sglang.launcher import SglangServer, SglangServerConfig, sglang_missing
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
@@ -108,6 +108,8 @@ def launched_server(config: GraftConfig, run_dir: str | Path, syncs: bool = True
     vllm = launch_config(config, run_dir, syncs)
     if config.rollout.engine != "sglang":
         return VllmServer(vllm)
+    if (missing := sglang_missing()) is not None:  # one line, before "starting a sglang server" is said
+        raise FileNotFoundError(missing)
     return SglangServer(SglangServerConfig(model=vllm.model, dtype=vllm.dtype, max_lora_rank=vllm.max_lora_rank,
                                            max_loras=vllm.max_loras, context_length=vllm.max_model_len,
                                            log_dir=vllm.log_dir))
