@@ -99,7 +99,8 @@ def quickstart_base(model: str, task: str, seed: int, cache_dir: Path, console: 
 
 def shipped_config(task: str, overrides: list[str], model: str = "tiny") -> GraftConfig:
     """The shipped config of `task` (`QUICKSTART_TASKS[task].config`) or real `model` with `overrides` on top."""
-    return load_config(REPO / (QUICKSTART_TASKS[task].config if model == "tiny" else REAL_MODEL_CONFIGS[model]), overrides)
+    config = QUICKSTART_TASKS[task].config if model == "tiny" else REAL_MODEL_CONFIGS[model]
+    return load_config(REPO / config, overrides)
 
 
 def quickstart_config(base_dir: Path, seed: int, steps: int | None = None, task: str = "arithmetic",

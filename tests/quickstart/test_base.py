@@ -32,7 +32,8 @@ SMALL_ARGS = {
 
 @pytest.mark.parametrize("task", list(quickstart.QUICKSTART_TASKS))
 def test_base_model_is_built_once_per_arguments_and_task(tmp_path, monkeypatch, task):
-    monkeypatch.setitem(quickstart.QUICKSTART_TASKS, task, replace(quickstart.QUICKSTART_TASKS[task], sft_args=SMALL_ARGS[task]))
+    small = replace(quickstart.QUICKSTART_TASKS[task], sft_args=SMALL_ARGS[task])
+    monkeypatch.setitem(quickstart.QUICKSTART_TASKS, task, small)
     console = Console(file=open(tmp_path / "out.txt", "w"))
     first, built = quickstart.cached_base_model(0, tmp_path / "cache", console, task)
     assert built and (first / "sft.json").is_file()
