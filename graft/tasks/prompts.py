@@ -42,8 +42,8 @@ class PromptFormat:
         """The prompt's token ids as the policy sees them."""
         if self.kind == "chat":
             return render_prompt_ids(tokenizer, example)
-        # add_special_tokens: the tokenizer's own bos (Gemma's model is lost without it: perplexity
-        # ~4,156 on plain English against 15.6 with it); a chat template writes its own instead.
+        # add_special_tokens: the tokenizer's own bos (Gemma 3 270M is lost without it: perplexity 208 on
+        # tests/models' English text, 7.6 with it); a chat template writes its own instead.
         text = self.template.replace(PROMPT_PLACEHOLDER, prompt_text(example))
         return tokenizer.encode(text, add_special_tokens=True)
 
