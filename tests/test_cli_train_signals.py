@@ -218,15 +218,39 @@ def _train_command(model_dir: Path, run_dir: Path, reward: Path, *, resume: bool
     return command + [a for o in overrides for a in ("-o", o)] + (["--resume"] if resume else [])
 
 
-def _stacks_show(process: subprocess.Popen, stderr_path: Path, function: str) -> bool:
-    """Whether a thread of `process` is now in `function`: graft's stack dump on SIGUSR1 (graft.cli),
-    read from its stderr file."""
-    before = stderr_path.stat().st_size
-    process.send_signal(signal.SIGUSR1)
-    time.sleep(0.1)  # faulthandler writes the dump from its signal handler, at once
-    with open(stderr_path, errors="replace") as stderr:
-        stderr.seek(before)
-        return f" in {function}\n" in stderr.read()
+# The reward of the stopped run: the parity reward, and at its first call a watcher thread in the
+# trainer's own process that sends SIGTERM once checkpoint 1 is saved and a thread is in
+# policy_update (step 2's update). Sampled in-process every millisecond: a test polling from outside
+# (a stack dump every 0.3 s) missed the ~1 s update on CI's quicker machine and waited for it in vain.
+_STOPPING_REWARD = """import os, signal, sys, threading, time
+from pathlib import Path
+
+CHECKPOINT, MARK = Path({checkpoint!r}), Path({mark!r})
+
+
+def _in(function):
+    for frame in list(sys._current_frames().values()):
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def _stop_mid_update():
+    while not (CHECKPOINT.is_dir() and _in("policy_update")):
+        time.sleep(0.001)
+    MARK.write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def parity(text, example):
+    global _watching
+    if not MARK.exists() and not globals().get("_watching"):  # the resumed run is left alone
+        _watching = True
+        threading.Thread(target=_stop_mid_update, daemon=True).start()
+    return float(len(text) % 2 == 0)
+"""
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -243,28 +267,34 @@ def test_a_run_stopped_mid_update_leaves_the_last_step_saved_and_resumes_as_if_n
     from graft.sync.publish import WeightPublisher, read_version
     from graft.train.metrics import read_jsonl
 
+    whole, parts, stderr_path = tmp_path / "whole", tmp_path / "parts", tmp_path / "stderr.txt"
     reward = tmp_path / "parity.py"  # a reward SmolLM2's short answers earn about half the time
     reward.write_text("def parity(text, example):\n    return float(len(text) % 2 == 0)\n")
-    whole, parts, stderr_path = tmp_path / "whole", tmp_path / "parts", tmp_path / "stderr.txt"
+    first, mark = parts / "checkpoints" / "step-000001", tmp_path / "sigterm-sent"
+    stopping = tmp_path / "stopping_parity.py"
+    stopping.write_text(_STOPPING_REWARD.format(checkpoint=str(first), mark=str(mark)))
     subprocess.run(_train_command(smollm2_dir, whole, reward), check=True, stdout=subprocess.DEVNULL, timeout=900)
     with open(stderr_path, "w") as stderr_file:
-        trainer = subprocess.Popen(_train_command(smollm2_dir, parts, reward), stdout=subprocess.DEVNULL,
+        trainer = subprocess.Popen(_train_command(smollm2_dir, parts, stopping), stdout=subprocess.DEVNULL,
                                    stderr=stderr_file)
     try:
-        first = parts / "checkpoints" / "step-000001"
-        _wait_for(first.is_dir, 600, "the checkpoint of step 1")
-        saved = _digests(first)
-        _wait_for(lambda: _stacks_show(trainer, stderr_path, "policy_update"), 300, "step 2's update")
-        assert _stopped_within(trainer, signal.SIGTERM, STOP_S) == 143, stderr_path.read_text()[-3000:]
+        code = trainer.wait(timeout=900)
+        gone_s = time.time() - float(mark.read_text())
     finally:
         trainer.kill()
         trainer.wait()
+    print(f"SIGTERM to exit: {gone_s:.1f} s")
+    assert code == 143 and gone_s < STOP_S, (code, gone_s, stderr_path.read_text()[-3000:])
     assert "Traceback" not in stderr_path.read_text()
-    assert [p.name for p in (parts / "checkpoints").iterdir()] == ["step-000001"] and _digests(first) == saved
+    assert [p.name for p in (parts / "checkpoints").iterdir()] == ["step-000001"]
+    stopped, never_stopped = _digests(first), _digests(whole / "checkpoints" / "step-000001")
+    for state in (stopped, never_stopped):  # Python's global `random`, seeded by the OS at every start
+        state.pop("rng.json")  # (graft draws from its own seeded generators), differs between any two runs
+    assert stopped == never_stopped  # checkpoint 1 byte-equal to the never-stopped run's
     published = WeightPublisher(parts / "weights").latest("adapter")
     assert published.version == 1 and read_version(parts / "weights", "adapter", 1).version == 1  # files verified
 
-    subprocess.run(_train_command(smollm2_dir, parts, reward, resume=True), check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(_train_command(smollm2_dir, parts, stopping, resume=True), check=True, stdout=subprocess.DEVNULL,
                    timeout=900)
     expected, got = read_jsonl(whole / "metrics.jsonl"), read_jsonl(parts / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3] and len({r["grad_norm"] for r in expected}) == 3
