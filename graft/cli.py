@@ -345,11 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     _stack_dump_on_sigusr1()
     _terminate_on_sigterm()
+    resume_hint = " (the run continues from its newest checkpoint with --resume)" if args.command == "train" else ""
     try:
         code = args.func(args)
     except Terminated:
-        print("graft: terminated (SIGTERM); servers graft launched were stopped; a training run continues "
-              "from its newest checkpoint with --resume", file=sys.stderr)
+        print(f"graft: terminated (SIGTERM); servers graft launched were stopped{resume_hint}", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
         print("graft: interrupted", file=sys.stderr)
@@ -359,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a full disk, a read-only or missing path: the system's words and the file
         where = f": {e.filename}" if e.filename else ""
-        print(f"graft: error: {e.strerror or e}{where} (a training run continues from its newest checkpoint "
-              "with --resume)", file=sys.stderr)
+        print(f"graft: error: {e.strerror or e}{where}{resume_hint}", file=sys.stderr)
         return 2
     return code if isinstance(code, int) else 0  # a command may return its exit code (graft verify: 1)
 

@@ -10,12 +10,9 @@ import numbers
 import time
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from graft.atomic import atomic_write_text  # noqa: E402
+from graft.atomic import atomic_write_text
 
 # The run-directory contract (ARCHITECTURE.md): every row has at least these keys.
 REQUIRED_KEYS = (
@@ -95,7 +92,8 @@ class MetricsLog:
 
     def plot(self) -> None:
         self._plotted_at, self._undrawn = time.monotonic(), False
-        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        fig = Figure(figsize=(6.5, 3.8))  # no pyplot: drawn without touching the process's backend
+        ax = fig.subplots()
         if self.rows:
             steps = [r["step"] for r in self.rows]
             mean = [r["reward_mean"] for r in self.rows]
@@ -112,7 +110,6 @@ class MetricsLog:
         ax.legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(self.run_dir / "reward.png", dpi=110)
-        plt.close(fig)
 
 
 def _tensorboard_writer(log_dir: Path, purge_step: int):
