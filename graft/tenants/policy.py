@@ -8,15 +8,19 @@ as one padded batch through the base once, each token's LoRA delta from its tena
 (forward_backward accumulates, optim_step applies) with the batch shared across tenants.
 
 Isolation: a tenant's adapter after any sequence of calls equals the same tenant trained alone on the
-same datums (tested to 1e-6 relative, fp32), whatever the others did; a tenant whose gradients are
-not finite is refused its step alone. Losses are sums over positions (graft.tenants.losses), so no
-datum's weight depends on the others in its batch.
+same datums, whatever the others did; a tenant whose gradients are not finite is refused its step
+alone. Losses are sums over positions (graft.tenants.losses), so no datum's weight depends on the
+others in its batch. How equal: by default up to float rounding (1e-6 relative, fp32), as the base's
+kernels round by the batch's shape; with `batch_invariant` bit for bit (graft.tenants.invariant: the
+base's GEMMs in fixed row blocks, attention per row, and each tenant's datums cut into passes as they
+would be alone, `invariant_passes`).
 
 Shape suffixes: see graft/__init__.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +34,7 @@ from graft.config import ALL_LINEAR
 from graft.lora.routing import BASE_ONLY, routed
 from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
 from graft.sync.source import eval_mode
+from graft.tenants.invariant import batch_invariant
 from graft.tenants.losses import LOSSES, LossConfigError, loss_config
 from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 
@@ -50,6 +55,31 @@ def passes_of(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:
         longest = longest_with
     if chunk:
         yield chunk
+
+
+def invariant_passes(datums: Sequence[Datum], budget: int) -> list[list[int]]:
+    """Indices into `datums`, cut into passes so that each tenant's datums are cut as they would be
+    alone: each tenant's own (in order) cut by `passes_of`, then whole pieces packed into passes within
+    `budget` (a pass sums a tenant's gradient over the tokens it holds: the same pieces, the same sums)."""
+    indices_of: dict[str, list[int]] = {}
+    for index, datum in enumerate(datums):
+        indices_of.setdefault(datum.tenant, []).append(index)
+    pieces = []
+    for indices in indices_of.values():
+        for chunk in passes_of([datums[i] for i in indices], budget):
+            pieces.append(indices[:len(chunk)])
+            indices = indices[len(chunk):]
+    passes: list[list[int]] = []
+    longest = 0
+    for piece in pieces:
+        longest_with = max(longest, *(len(datums[i].tokens) for i in piece))
+        if passes and (len(passes[-1]) + len(piece)) * longest_with <= budget:
+            passes[-1] += piece
+        else:
+            passes.append(list(piece))
+            longest_with = max(len(datums[i].tokens) for i in piece)
+        longest = longest_with
+    return passes
 
 
 class TenantError(ValueError):
@@ -108,10 +138,13 @@ class OptimStepResult:
 
 class TenantPolicy:
     """Tenants' adapters on `base` (module docstring). `base` is wrapped in place by PEFT at the first
-    `add`; `pad_id` fills the padded positions (never scored); `pass_tokens` bounds one forward pass."""
+    `add`; `pad_id` fills the padded positions (never scored); `pass_tokens` bounds one forward pass;
+    `batch_invariant`: each tenant's results bit-equal to its own alone (module docstring)."""
 
-    def __init__(self, base: nn.Module, pad_id: int = 0, pass_tokens: int = PASS_TOKENS) -> None:
+    def __init__(self, base: nn.Module, pad_id: int = 0, pass_tokens: int = PASS_TOKENS, *,
+                 batch_invariant: bool = False) -> None:
         self._base = base
+        self.batch_invariant = batch_invariant
         self.pass_tokens = pass_tokens
         self.model: peft.PeftModel | None = None
         self.pad_id = pad_id
@@ -197,15 +230,26 @@ class TenantPolicy:
         results = []
         device = next(self.model.parameters()).device
         with update_memory_cached(host_memory_mode("auto", device)):  # as the trainer's update
-            for chunk in passes_of(datums, self.pass_tokens):
-                results += self._pass(chunk, losses_fn, needs, backward)
-        return results
+            for indices in self._passes(datums):
+                results += zip(indices, self._pass([datums[i] for i in indices], losses_fn, needs, backward))
+        return [result for _, result in sorted(results, key=lambda pair: pair[0])]
+
+    def _passes(self, datums: Sequence[Datum]) -> list[list[int]]:
+        """Indices into `datums`, one list per forward pass."""
+        if self.batch_invariant:
+            return invariant_passes(datums, self.pass_tokens)
+        starts = [0]
+        for chunk in passes_of(datums, self.pass_tokens):
+            starts.append(starts[-1] + len(chunk))
+        return [list(range(start, end)) for start, end in zip(starts, starts[1:])]
 
     def _pass(self, datums: Sequence[Datum], losses_fn, needs, backward: bool) -> list[DatumResult]:
         names = list(dict.fromkeys(datum.tenant for datum in datums))
         ids_BT, mask_BT, score_BT, adapter_BT = self._layout(datums, names)
         self.model.train()
-        with routed(self.model, adapter_BT, names), torch.set_grad_enabled(backward):
+        lengths_B = [len(datum.tokens) for datum in datums]
+        invariant = batch_invariant(self.model, lengths_B) if self.batch_invariant else contextlib.nullcontext()
+        with routed(self.model, adapter_BT, names), invariant, torch.set_grad_enabled(backward):
             logprobs_BT = teacher_forced_logprobs(self.model, ids_BT, mask_BT, score_mask_BT=score_BT).logprobs_BT
         total, results = logprobs_BT.new_zeros(()), []
         for row, datum in enumerate(datums):
