@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.bench.cookbook_curve import curve_row, curve_summary, plot_curve
 from graft.config.arguments import COUNT
 
 COOKBOOK = "tinker-cookbook==0.6.1"
@@ -110,40 +111,55 @@ def run_recipes(model_dir: Path, base_url: str, key: str, site: Path, out: Path,
 
 
 def measure(args: argparse.Namespace, console: Console) -> dict:
-    """Launch vLLM and the Tinker service, run the recipes; the per-tenant rewards and pass sizes."""
-    import functools
-
+    """Launch vLLM (once, with slots for the largest N), then per N a Tinker service and N recipes;
+    the largest N's rewards and pass sizes, and the curve's rows (graft.bench.cookbook_curve)."""
     from graft.models.cache import default_cache_dir
     from graft.models.packaged import base_model_dir
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
-    from graft.tenants.background import ServiceThread
-    from graft.tenants.command import served_tenants
 
     site = cookbook_site(default_cache_dir(), console)
     model_dir = base_model_dir(args.model, log=lambda message: console.print(message))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    key = "tml-" + secrets.token_hex(16)
-    slots = 2 * args.tenants  # each tenant keeps its 2 newest versions served
+    slots = 2 * max(args.tenants)  # each tenant keeps its 2 newest versions served
     config = VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=args.rank, max_loras=slots,
                               log_dir=out)
     with console.status(f"starting vLLM for {model_dir}"):
         server = VllmServer(config).__enter__()
     try:
-        service = functools.partial(served_tenants, server.url, model_dir, run_dir=out / "service", max_loras=slots,
-                                    max_rank=args.rank)
-        with ServiceThread(service, key) as running:
-            start = time.perf_counter()
-            per_tenant = run_recipes(model_dir, running.url, key, site, out, args, console)
-            seconds = time.perf_counter() - start
-            passes = dict(running.service.pass_sizes)
+        runs = [measure_one(server.url, model_dir, site, slots, argparse.Namespace(**{**vars(args), "tenants": n}),
+                            out / f"n{n}" if len(args.tenants) > 1 else out, console) for n in args.tenants]
     finally:
         server.__exit__(None, None, None)
-    return {"model": args.model, "tenants": args.tenants, "steps": args.steps, "seconds": round(seconds, 1),
+    largest = max(runs, key=lambda run: run["tenants"])
+    return {"model": args.model, "tenants": largest["tenants"], "steps": args.steps, "seconds": largest["seconds"],
             "settings": {"group_size": args.group_size, "groups_per_batch": args.groups, "rank": args.rank,
-                         "learning_rate": args.learning_rate, "max_tokens": args.max_tokens, "loss_fn": args.loss_fn},
-            "rewards": per_tenant, "passes": sum(passes.values()),
-            "shared_passes": sum(count for size, count in passes.items() if size > 1)}
+                         "learning_rate": args.learning_rate, "max_tokens": args.max_tokens, "loss_fn": args.loss_fn,
+                         "batch_window_s": args.batch_window},
+            "rewards": largest.pop("rewards"), "passes": largest["passes"], "shared_passes": largest["shared_passes"],
+            **curve_summary([{key: value for key, value in run.items() if key != "rewards"} for run in runs])}
+
+
+def measure_one(url: str, model_dir: Path, site: Path, slots: int, args: argparse.Namespace, out: Path,
+                console: Console) -> dict:
+    """One N (`args.tenants`): a fresh Tinker service on the vLLM server at `url`, N recipes against
+    it; its curve row with the tenants' rewards."""
+    import functools
+
+    from graft.tenants.background import ServiceThread
+    from graft.tenants.command import served_tenants
+
+    key = "tml-" + secrets.token_hex(16)
+    window = {} if args.batch_window is None else {"batch_window_s": args.batch_window}
+    service = functools.partial(served_tenants, url, model_dir, run_dir=out / "service", max_loras=slots,
+                                max_rank=args.rank, **window)
+    with ServiceThread(service, key) as running:
+        start = time.perf_counter()
+        per_tenant = run_recipes(model_dir, running.url, key, site, out, args, console)
+        seconds = time.perf_counter() - start
+        row = curve_row(args.tenants, running.service.scheduler, [out / name for name in per_tenant], seconds)
+    console.print(f"{args.tenants} tenant(s): {json.dumps(row)}")
+    return {**row, "rewards": per_tenant}
 
 
 def summarise(result: dict, window: int) -> dict:
@@ -174,6 +190,20 @@ def plot_rewards(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def print_curve(result: dict) -> None:
+    table = Table(title="scaling: one service, N recipe processes")
+    columns = ("tenants", "trained tokens/s", "sampled tokens/s", "trainer busy", "passes >= 2 tenants",
+               "step s (median)", "arrival gap s (median)")
+    for column in columns:
+        table.add_column(column)
+    for row in result["curve"]:
+        table.add_row(str(row["tenants"]), f"{row['trained_tokens_per_s']:.0f}", f"{row['sampled_tokens_per_s']:.1f}",
+                      f"{row['trainer_busy_fraction']:.2f}", f"{row['multi_tenant_pass_fraction']:.2f}",
+                      str(row["step_median_s"]), str(row["gap_median_s"]))
+    Console().print(table)
+    Console().print(f"aggregate trained tokens/s over one tenant's: {result['aggregate_over_single']}")
+
+
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")  # the SDK's losses that the RL recipe trains with
 
 
@@ -183,9 +213,17 @@ def _losses(text: str) -> str:
     return text
 
 
+def _counts(text: str) -> list[int]:
+    return [COUNT(part) for part in text.split(",")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="a packaged model's name or an HF directory")
-    parser.add_argument("--tenants", type=COUNT, default=2, help="recipe processes run at once, one tenant each")
+    parser.add_argument("--tenants", type=_counts, default=[2],
+                        help="recipe processes run at once, one tenant each; several (1,2,4,8): the scaling curve, "
+                             "each N its own service and processes")
+    parser.add_argument("--batch-window", type=float, default=None,
+                        help="the service's batch_window_s (graft.tenants.schedule); default: the service's")
     parser.add_argument("--steps", type=COUNT, default=12, help="the recipe's max_steps")
     parser.add_argument("--groups", type=COUNT, default=8, help="the recipe's groups_per_batch (prompts per step)")
     parser.add_argument("--group-size", type=COUNT, default=8, help="the recipe's group_size (samples per prompt)")
@@ -203,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     console = Console(stderr=True)
     result = measure(args, console)
     result["summary"] = summarise(result, args.window)
-    table = Table(title=f"tinker-cookbook RL recipe, {args.tenants} tenants at once ({result['seconds']:.0f} s)")
+    table = Table(title=f"tinker-cookbook RL recipe, {result['tenants']} tenants at once ({result['seconds']:.0f} s)")
     for column in ("tenant", f"reward, first {args.window} steps", f"reward, last {args.window} steps", "rose"):
         table.add_column(column)
     for name, row in result["summary"].items():
@@ -213,4 +251,10 @@ def run(args: argparse.Namespace) -> dict:
                     "several tenants")
     result["plot"] = str(plot_rewards(result, Path(args.out) / "cookbook.png"))
     Console().print(f"plot: {result['plot']}")
+    print_curve(result)
+    if len(args.tenants) > 1:
+        result["curve_plot"] = str(plot_curve(result["curve"], f"tinker-cookbook math_rl on one graft service, "
+                                              f"{args.model}, {args.steps} steps per tenant",
+                                              Path(args.out) / "cookbook-curve.png"))
+        Console().print(f"plot: {result['curve_plot']}")
     return result

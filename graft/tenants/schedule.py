@@ -5,10 +5,18 @@ order they arrive in (the SDK sends the chunks of a large batch concurrently, th
 
 Batching across tenants: when models' next operations are forward_backward passes, they run as ONE
 forward and backward over all their datums (grouped by loss and its config), so tenants who train at
-the same time share each pass over the frozen base. A first pass waits `batch_window_s` for others
-to arrive: tenants' clients are independent programs, and a pass that had just started would hold
-every later tenant back by a whole pass. Each round takes at most one operation per model, so a
-client that floods one model's queue gets that model's turn and no more.
+the same time share each pass over the frozen base. Tenants' clients are independent programs, and
+each pass that starts alone would hold every later tenant back by a whole pass, so passes gather:
+
+- while a pass runs, the passes that arrive wait for it to end and then run as one (the trainer has
+  one thread: they could not start sooner);
+- a pass ready to run waits, at most `batch_window_s` from its arrival, while another model is in
+  its training phase (`Scheduler._expected`: its last pass arrived less than 1.5 of its steps ago,
+  or it was made but has not trained yet), and goes as soon as every such model's pass is there. A
+  lone client waits for no one.
+
+Each round takes at most one operation per model, so a client that floods one model's queue gets
+that model's turn and no more.
 
 One tenant's bad input never fails another's operation: datums are checked when parsed, and should a
 shared pass still fail, every tenant's gradients are put back as they were before it and each
@@ -21,7 +29,8 @@ import asyncio
 import itertools
 import json
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +44,9 @@ log = logging.getLogger(__name__)
 
 FORWARD_BACKWARD = "forward_backward"
 SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
+EXPECTED_PERIODS = 1.5  # a tenant whose last pass arrived less than 1.5 of its steps ago is training
+NEW_S = 60.0  # a model created this recently that has not trained yet is about to
+CHUNKS_S = 0.5  # arrivals closer than this are one batch's chunks (the SDK sends them at once), not steps
 ISSUED_KEPT = 64  # operations per model whose request ids a resent request gets back (`submit`)
 
 
@@ -50,6 +62,35 @@ class ForwardResult:
 
 
 @dataclass
+class TrainerClock:
+    """How long the model's thread spent in jobs (passes, optimizer steps, saves) since the first
+    forward_backward pass began: `graft bench cookbook`'s trainer busy fraction. Before that first pass
+    clients are still starting (8 recipe processes import for minutes on 2 cores), which is not the
+    trainer's to count."""
+
+    busy_s: float = 0.0
+    start_s: float | None = None  # when the first pass began (time.monotonic)
+    end_s: float = 0.0  # when the last job ended
+
+    def timed(self, job: Callable[[], Any]) -> Callable[[], Any]:
+        """`job`, counting its time on the thread once the first pass began."""
+        def run() -> Any:
+            begun = time.monotonic()
+            try:
+                return job()
+            finally:
+                if self.start_s is not None:
+                    self.busy_s += time.monotonic() - max(begun, self.start_s)
+                    self.end_s = time.monotonic()
+        return run
+
+    def busy_fraction(self) -> float:
+        """Busy seconds over the seconds from the first pass to the last job's end (0 before a pass)."""
+        span_s = self.end_s - self.start_s if self.start_s is not None else 0.0
+        return self.busy_s / span_s if span_s > 0 else 0.0
+
+
+@dataclass
 class QueuedOperation:
     """One ordered operation of a model: what to do (`kind`, `payload`) and where its result goes."""
 
@@ -57,6 +98,7 @@ class QueuedOperation:
     seq_id: int
     payload: Any
     future: asyncio.Future
+    arrived_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -72,6 +114,9 @@ class Model:
     busy: bool = False
     created_by: str = ""  # the request id of the create_model that made it
     issued: dict[int, tuple[str, str]] = field(default_factory=dict)  # recent seq_id -> (kind, request id)
+    created_s: float = field(default_factory=time.monotonic)
+    last_arrived_s: float | None = None  # when its last forward_backward arrived (time.monotonic)
+    period_s: float | None = None  # the interval between its last two forward_backward arrivals
 
 
 class Scheduler:
@@ -82,7 +127,8 @@ class Scheduler:
         futures: where each operation's result goes.
         run_on_model: runs a function on the model's one thread, after the jobs before it.
         single: runs one operation that is not a forward_backward (its result, or raises).
-        batch_window_s: how long a forward_backward waits for other tenants' passes to join it.
+        batch_window_s: how long, at most, a forward_backward waits for the passes of tenants in their
+            training phase to join it (module docstring).
     """
 
     def __init__(self, policy: TenantPolicy, futures: Futures, run_on_model: Callable[[Callable], Awaitable],
@@ -92,6 +138,11 @@ class Scheduler:
         self.models: dict[str, Model] = {}
         self.pass_sizes: Counter[int] = Counter()  # tenants in a forward_backward pass -> passes so far
         self.pass_losses: Counter[str] = Counter()  # loss -> passes so far
+        self.trained_tokens = 0  # tokens of the datums of passes with a backward
+        self.arrivals: deque[tuple[float, str]] = deque(maxlen=4096)  # forward_backward (time.monotonic, model id)
+        self.clock = TrainerClock()
+        self._gathered: list[tuple[Model, QueuedOperation]] = []  # passes taken, waiting for the trainer or others
+        self._passes_running = 0
         self._wake = asyncio.Event()
 
     def submit(self, model: Model, seq_id: int, kind: str, payload: Any) -> str:
@@ -105,7 +156,12 @@ class Scheduler:
         if seq_id < model.next_seq or seq_id in model.waiting:
             raise RequestFailed(f"model {model.model_id!r}: seq_id {seq_id} was used already (next: {model.next_seq})")
         request_id, future = self.futures.new(model.owner)
-        model.waiting[seq_id] = QueuedOperation(kind, seq_id, payload, future)
+        model.waiting[seq_id] = op = QueuedOperation(kind, seq_id, payload, future)
+        if kind == FORWARD_BACKWARD:
+            self.arrivals.append((op.arrived_s, model.model_id))
+            if model.last_arrived_s is not None and op.arrived_s - model.last_arrived_s > CHUNKS_S:
+                model.period_s = op.arrived_s - model.last_arrived_s
+            model.last_arrived_s = op.arrived_s
         model.issued[seq_id] = (kind, request_id)
         model.issued.pop(seq_id - ISSUED_KEPT, None)
         self._wake.set()
@@ -122,21 +178,49 @@ class Scheduler:
         """Run each model's next operation once its turn comes; forward_backward passes together."""
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self._next_wake()
             for model, op in self._take_ready(lambda op: op.kind != FORWARD_BACKWARD):
                 loop.create_task(self._run([model], [op], _listed(self.single(model, op))))
-            passes = self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
-            if passes and self.batch_window_s > 0:
-                await asyncio.sleep(self.batch_window_s)
-                passes += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
-            groups: dict[tuple[str, str, bool], list[tuple[Model, QueuedOperation]]] = {}
-            for model, op in passes:
-                payload = op.payload
-                key = (payload["loss"], json.dumps(payload["config"], sort_keys=True), payload["forward_only"])
-                groups.setdefault(key, []).append((model, op))
-            for group in groups.values():
-                loop.create_task(self._run_pass(group))
+            if self._passes_running:
+                continue  # the passes that arrive meanwhile gather for the next one
+            self._gathered += self._take_ready(lambda op: op.kind == FORWARD_BACKWARD)
+            if self._gathered and (time.monotonic() >= self._deadline_s() or not self._expected()):
+                self._dispatch(loop, self._gathered)
+                self._gathered = []
+
+    async def _next_wake(self) -> None:
+        """Until something changed, or the gathered passes' deadline."""
+        timeout_s = None
+        if self._gathered and not self._passes_running:
+            timeout_s = max(0.0, self._deadline_s() - time.monotonic())
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    def _deadline_s(self) -> float:
+        return min(op.arrived_s for _, op in self._gathered) + self.batch_window_s
+
+    def _expected(self) -> bool:
+        """Whether a model not gathered is in its training phase: its last forward_backward arrived
+        less than `EXPECTED_PERIODS` of its step period ago (its period not yet measured: expected), or
+        it was created less than `NEW_S` ago and has not trained yet (clients started together)."""
+        now, gathered = time.monotonic(), {model.model_id for model, _ in self._gathered}
+        return any(model.model_id not in gathered and (
+            now - model.created_s < NEW_S if model.last_arrived_s is None else
+            model.period_s is None or now - model.last_arrived_s < EXPECTED_PERIODS * model.period_s)
+            for model in self.models.values())
+
+    def _dispatch(self, loop: asyncio.AbstractEventLoop, passes: list[tuple[Model, QueuedOperation]]) -> None:
+        groups: dict[tuple[str, str, bool], list[tuple[Model, QueuedOperation]]] = {}
+        for model, op in passes:
+            payload = op.payload
+            key = (payload["loss"], json.dumps(payload["config"], sort_keys=True), payload["forward_only"])
+            groups.setdefault(key, []).append((model, op))
+        for group in groups.values():
+            self._passes_running += 1
+            loop.create_task(self._run_pass(group))
 
     def _take_ready(self, wanted: Callable[[QueuedOperation], bool]) -> list[tuple[Model, QueuedOperation]]:
         ready = []
@@ -168,7 +252,15 @@ class Scheduler:
         log.debug("one pass for %d tenant(s): %d datums", len(ops), sum(len(op.payload["datums"]) for op in ops))
         self.pass_sizes[len(ops)] += 1
         self.pass_losses[ops[0].payload["loss"]] += 1
-        await self._run(models, ops, self.run_on_model(lambda: self._shared_pass(models, ops)))
+        if not ops[0].payload["forward_only"]:
+            self.trained_tokens += sum(len(datum.tokens) for op in ops for datum in op.payload["datums"])
+        if self.clock.start_s is None:
+            self.clock.start_s = time.monotonic()
+        try:
+            await self._run(models, ops, self.run_on_model(lambda: self._shared_pass(models, ops)))
+        finally:
+            self._passes_running -= 1
+            self._wake.set()
 
     def _shared_pass(self, models: list[Model], ops: list[QueuedOperation]) -> list[ForwardResult | RequestFailed]:
         """One pass over every op's datums; if it fails with several tenants in it, each op alone

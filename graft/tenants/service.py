@@ -99,8 +99,8 @@ class TenantService:
         self._tasks: list[asyncio.Task] = []
 
     async def run_on_model(self, job: Callable[[], T]) -> T:
-        """`job()` on the model's thread, after the jobs before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, job)
+        """`job()` on the model's thread, after the jobs before it (timed: the scheduler's `clock`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.scheduler.clock.timed(job))
 
     def start(self) -> None:
         """Start scheduling operations (on the running event loop), after removing what saves cut
