@@ -46,3 +46,16 @@ def test_merged_sync_run_on_an_sglang_server_graft_launches(base_dir, tmp_path):
     _assert_rows(tmp_path, "merged")
     logs = list((tmp_path / "logs").glob("sglang-*.log"))
     assert len(logs) == 1 and "fired up and ready to roll" in logs[0].read_text()
+
+
+def test_text_prompts_and_stop_strings_on_sglang(sglang_server, base_dir, tmp_path):
+    """data.prompt_format text on SGLang: prompts as plain text (no chat markup), the engine and the
+    trainer score the same ids, and the stop strings end samples early."""
+    config = load_config(None, [f"model.path={base_dir}", f"rollout.urls=[{sglang_server.url}]", *SHORT_RUN,
+                                "data.prompt_format=text", 'data.prompt_template="Question: {prompt}\\nAnswer:"',
+                                "data.stop=[' ', 'e']", "rollout.max_new_tokens=12"])
+    asyncio.run(train(config, tmp_path))
+    _assert_rows(tmp_path, "adapter")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # With a space and 'e' as stops, few of the 8 samples a step run to 12 tokens (without: all of them).
+    assert all(r["truncated_fraction"] <= 0.5 and r["rollout_tokens"] < 8 * 12 / 2 for r in rows), rows
