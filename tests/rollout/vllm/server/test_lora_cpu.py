@@ -5,7 +5,7 @@ adding into the output or not; and they are installed over the vLLM this project
 import pytest
 import torch
 
-from graft.rollout.vllm.server import lora_cpu
+from graft.rollout.vllm.server import lora_cpu, lora_cpu_linear
 
 lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
@@ -85,6 +85,8 @@ def test_installed_over_the_pinned_vllm_unless_turned_off(monkeypatch):
     for name, op in VLLM_OPS.items():  # restored after the test
         monkeypatch.setattr(lora_ops, name, op)
         monkeypatch.setattr(punica_cpu, name, getattr(punica_cpu, name))
+    wrapper = punica_cpu.PunicaWrapperCPU
+    monkeypatch.setattr(wrapper, "add_lora_linear", wrapper.add_lora_linear)
     monkeypatch.setenv("GRAFT_VLLM_LORA_OPS", "vllm")
     assert not lora_cpu.install()
     assert lora_ops.bgmv_expand is VLLM_OPS["bgmv_expand"]
@@ -92,3 +94,4 @@ def test_installed_over_the_pinned_vllm_unless_turned_off(monkeypatch):
     assert lora_cpu.install(), "the pinned vLLM's op signatures changed: check the grouped ops against them"
     assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
     assert punica_cpu.bgmv_shrink is lora_cpu.bgmv_shrink  # the decode path's own import
+    assert wrapper.add_lora_linear is lora_cpu_linear.add_lora_linear
