@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -184,6 +185,18 @@ def _sweep(parent: Path, name: str, target_name: str, kind: str) -> Path:
         os.replace(path / target_name, target)
     _remove(path)
     return path
+
+
+@contextlib.contextmanager
+def one_builder(lock_path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_path` (created if missing), WAITING for another holder: for
+    building something shared in place (a virtualenv, a pip --target directory) that two processes
+    must not build at once. Re-check inside whether the other process already built it. The kernel
+    drops the lock when its holder dies in any way, so no stale lock is left."""
+    Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import fcntl
 import functools
 import logging
 import os
@@ -38,6 +37,7 @@ from graft.lora.attach import count_parameters
 from graft.rollout.engine import EngineError, RolloutEngine
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
+from graft.sync.owner import LockHeldError, hold_lock
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import SnapshotSource
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
@@ -287,17 +287,11 @@ def _run_dir_lock(run_dir: Path):
     """
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / ".lock", "a+")
+        handle = hold_lock(run_dir / ".lock")
     except (FileExistsError, NotADirectoryError) as error:
         raise RunDirError(f"run directory {run_dir} cannot be created: {error.filename} is a file") from None
+    except LockHeldError as holder:
+        raise RunDirError(f"run directory {run_dir} is in use by another graft process ({holder}): "
+                          "choose another --run-dir") from None
     with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            raise RunDirError(f"run directory {run_dir} is in use by another graft process "
-                              f"({handle.read().strip() or 'pid unknown'}): choose another --run-dir") from None
-        handle.truncate(0)
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
         yield

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from graft.atomic import one_builder
+
 TRL_VERSION = "1.16.0"
 
 
@@ -36,11 +38,16 @@ def trl_python(cache_dir: Path, console: Console | None = None) -> Path:
     python = venv / "bin" / "python"
     stamp = venv / ".graft-requirements.json"
     requirements = _requirements()
-    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == requirements:
-        return python
-    console = console or Console(stderr=True)
-    log = cache_dir / "trl-venv-install.log"
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    with one_builder(cache_dir / "trl-venv.lock"):  # a second bench waits here for the first one's build
+        if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == requirements:
+            return python
+        _build(venv, requirements, cache_dir / "trl-venv-install.log", console or Console(stderr=True))
+        stamp.write_text(json.dumps(requirements))
+    return python
+
+
+def _build(venv: Path, requirements: list[str], log: Path, console: Console) -> None:
+    python = venv / "bin" / "python"
     steps = [[sys.executable, "-m", "venv", str(venv)],
              [str(python), "-m", "pip", "install", "--upgrade", "pip"],
              # torch alone first: the local CPU wheel, so that TRL's requirements never pull a CUDA torch.
@@ -51,8 +58,6 @@ def trl_python(cache_dir: Path, console: Console | None = None) -> Path:
         for command in steps:
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ}).returncode:
                 raise TrlEnvError(f"building the TRL virtualenv failed at `{' '.join(command)}`; see {log}")
-    stamp.write_text(json.dumps(requirements))
-    return python
 
 
 def worker_environment() -> dict[str, str]:
