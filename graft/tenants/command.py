@@ -32,7 +32,7 @@ STOP_GRACE_S = 2
 @contextlib.asynccontextmanager
 async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: int, max_rank: int,
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
-                         limits: Limits = Limits(), batch_window_s: float = 0.01,
+                         limits: Limits = Limits(), batch_window_s: float = 10.0,
                          session_timeout_s: float = 300.0) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 FORWARD_BACKWARD = "forward_backward"
 SKIP = "skip"  # a refused request's place in its model's order: nothing to do, the next may go
 EXPECTED_PERIODS = 1.5  # a tenant whose last pass arrived less than 1.5 of its steps ago is training
-NEW_S = 60.0  # a model created this recently that has not trained yet is about to
+GATHER_PERIODS = 0.5  # a gathered pass waits at most half its tenant's step for others
+NEW_S = 60.0  # a model made (or first trained) this recently, its step not yet measured, is training
 CHUNKS_S = 0.5  # arrivals closer than this are one batch's chunks (the SDK sends them at once), not steps
 ISSUED_KEPT = 64  # operations per model whose request ids a resent request gets back (`submit`)
 
@@ -200,16 +201,19 @@ class Scheduler:
         self._wake.clear()
 
     def _deadline_s(self) -> float:
-        return min(op.arrived_s for _, op in self._gathered) + self.batch_window_s
+        """The earliest gathered pass's arrival plus its wait: half its tenant's step (another tenant
+        half a step out of phase arrives within it), at most `batch_window_s`."""
+        return min(op.arrived_s + min(self.batch_window_s, GATHER_PERIODS * (model.period_s or self.batch_window_s))
+                   for model, op in self._gathered)
 
     def _expected(self) -> bool:
         """Whether a model not gathered is in its training phase: its last forward_backward arrived
-        less than `EXPECTED_PERIODS` of its step period ago (its period not yet measured: expected), or
+        less than `EXPECTED_PERIODS` of its step period ago (its period not yet measured: `NEW_S`), or
         it was created less than `NEW_S` ago and has not trained yet (clients started together)."""
         now, gathered = time.monotonic(), {model.model_id for model, _ in self._gathered}
         return any(model.model_id not in gathered and (
             now - model.created_s < NEW_S if model.last_arrived_s is None else
-            model.period_s is None or now - model.last_arrived_s < EXPECTED_PERIODS * model.period_s)
+            now - model.last_arrived_s < (NEW_S if model.period_s is None else EXPECTED_PERIODS * model.period_s))
             for model in self.models.values())
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop, passes: list[tuple[Model, QueuedOperation]]) -> None:

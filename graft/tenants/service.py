@@ -76,7 +76,7 @@ class TenantService:
     """
 
     def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
-                 state_root: Path, bounds: Bounds, batch_window_s: float = 0.01,
+                 state_root: Path, bounds: Bounds, batch_window_s: float = 10.0,
                  session_timeout_s: float = 300.0) -> None:
         self.policy = policy
         self.state_root = state_root
