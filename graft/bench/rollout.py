@@ -1,11 +1,14 @@
 """`graft bench rollout`: generation throughput of one vLLM server for base weights, base + LoRA
-adapter, and the same adapter merged into the weights and reloaded — same prompts, same sampling;
-and of the same adapter on a second server that keeps vLLM-CPU's own LoRA ops (graft's servers
-group the LoRA matmuls by adapter: graft.rollout.vllm.server.lora_cpu).
+adapter, several adapters mixed in one batch (each prompt's samples on its own adapter), and the
+same adapter merged into the weights and reloaded — same prompts, same sampling; and of the same
+adapter on a second server that keeps vLLM-CPU's own LoRA ops (graft's servers group the LoRA
+matmuls by adapter: graft.rollout.vllm.server.lora_cpu). The model is a random Qwen2 of a given
+shape, or SmolLM2-135M (`--model smollm2`, graft's packaged model).
 
 This is the measurement behind merged sync: serving through an adapter costs extra work per token
-(the LoRA kernels), serving merged weights does not. The three modes are interleaved within each
-round (base, adapter, merged) so machine noise hits all of them alike; medians over rounds.
+(the LoRA kernels), serving merged weights does not; and behind serving several tenants' adapters
+from one server. The modes are interleaved within each round so machine noise hits all of them
+alike; medians over rounds.
 """
 
 from __future__ import annotations
@@ -26,15 +29,28 @@ from rich.table import Table
 
 from graft.bench.common import ADAPTER, prepare_adapter_and_merged
 from graft.config.arguments import COUNT
+from graft.lora.adapter_io import save_adapter
+from graft.lora.attach import attach_lora, lora_parameters
+from graft.models.loading import load_model
+from graft.models.packaged import packaged_model_dir
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
 # How each mode serves: base weights; the adapter through graft's grouped LoRA ops (the servers graft
-# launches) and through vLLM-CPU's own per-token ops (a second server); the adapter merged, reloaded.
-MODES = {"base": "base", "adapter": "adapter (graft's LoRA ops)", "adapter_vllm_ops": "adapter (vLLM's LoRA ops)",
-         "merged": "merged"}
+# launches) and through vLLM-CPU's own per-token ops (a second server); `MIXED_ADAPTERS` adapters in one
+# batch, each prompt's samples on one of them; the adapter merged, reloaded.
+MODES = {"base": "base", "adapter": "adapter (graft's LoRA ops)",
+         "mixed_adapters": "adapters mixed in one batch (graft's LoRA ops)",
+         "adapter_vllm_ops": "adapter (vLLM's LoRA ops)", "merged": "merged"}
+MIXED_ADAPTERS = 8
+MODELS = ("tiny", "smollm2")  # a random Qwen2 of --hidden/--layers; SmolLM2-135M, packaged
+
+
+def by_adapter(requests: list[GenerateRequest], adapters: list[str]) -> dict[str, list[GenerateRequest]]:
+    """Prompt p's request on adapter p mod len(adapters): the batch each adapter serves."""
+    return {name: requests[index::len(adapters)] for index, name in enumerate(adapters)}
 
 
 async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapter: str | None) -> float:
@@ -44,31 +60,48 @@ async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], ada
     return sum(len(c.token_ids) for completions in completions_P for c in completions) / seconds
 
 
-async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, requests: list[GenerateRequest],
-                          repeats: int, vllm_ops_url: str | None = None) -> dict[str, list[float]]:
-    """Tokens/s per round for each mode on the server at `url`, which serves `base`; with
-    `vllm_ops_url` (a server of the same base with vLLM's own LoRA ops), the adapter there too.
+async def _mixed_tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapters: list[str]) -> float:
+    """Tokens/s with every adapter's requests sent at once: the server batches them into the same steps."""
+    start = time.perf_counter()
+    batches = by_adapter(requests, adapters)
+    completions = await asyncio.gather(*(client.generate(batch, adapter=name) for name, batch in batches.items()))
+    seconds = time.perf_counter() - start
+    return sum(len(c.token_ids) for completions_P in completions for group in completions_P for c in group) / seconds
 
-    The servers are left as found: serving `base`, without the bench adapter.
+
+async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, requests: list[GenerateRequest],
+                          repeats: int, vllm_ops_url: str | None = None,
+                          mixed: list[Path] = ()) -> dict[str, list[float]]:
+    """Tokens/s per round for each mode on the server at `url`, which serves `base`; with
+    `vllm_ops_url` (a server of the same base with vLLM's own LoRA ops), the adapter there too; with
+    `mixed` adapters (as many as the server holds at once), them mixed in one batch.
+
+    The servers are left as found: serving `base`, without the bench's adapters.
     """
-    rates: dict[str, list[float]] = {mode: [] for mode in MODES if vllm_ops_url or mode != "adapter_vllm_ops"}
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES if (vllm_ops_url or mode != "adapter_vllm_ops")
+                                     and (mixed or mode != "mixed_adapters")}
+    mixed_names = [f"{ADAPTER}-mixed-{index}" for index in range(len(mixed))]
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(VllmClient(url))
         stock = await stack.enter_async_context(VllmClient(vllm_ops_url)) if vllm_ops_url else None
-        for server in filter(None, (client, stock)):
-            await server.load_adapter(ADAPTER, str(adapter))
-            stack.push_async_callback(server.unload_adapter, ADAPTER)
-        await _rounds(client, stock, base, merged, requests, repeats, rates)
+        for server, name, path in [(client, ADAPTER, adapter), *zip([client] * len(mixed), mixed_names, mixed),
+                                   *([(stock, ADAPTER, adapter)] if stock else [])]:
+            await server.load_adapter(name, str(path))
+            stack.push_async_callback(server.unload_adapter, name)
+        await _rounds(client, stock, base, merged, requests, repeats, rates, mixed_names)
     return rates
 
 
 async def _rounds(client: VllmClient, stock: VllmClient | None, base: Path, merged: Path,
-                  requests: list[GenerateRequest], repeats: int, rates: dict[str, list[float]]) -> None:
+                  requests: list[GenerateRequest], repeats: int, rates: dict[str, list[float]],
+                  mixed_names: list[str]) -> None:
     with Progress(transient=True) as progress:
         task = progress.add_task(f"rollout rounds ({', '.join(rates)})", total=repeats + 1)
         for round_index in range(repeats + 1):  # round 0 warms up caches and kernels, not counted
             measured = {"base": await _tokens_per_s(client, requests, None),
                         "adapter": await _tokens_per_s(client, requests, ADAPTER)}
+            if mixed_names:
+                measured["mixed_adapters"] = await _mixed_tokens_per_s(client, requests, mixed_names)
             if stock is not None:
                 measured["adapter_vllm_ops"] = await _tokens_per_s(stock, requests, ADAPTER)
             await client.reload_weights(str(merged))
@@ -82,38 +115,65 @@ async def _rounds(client: VllmClient, stock: VllmClient | None, base: Path, merg
             progress.advance(task)
 
 
+def mixed_adapters(base: Path, work: Path, rank: int, count: int, dtype: torch.dtype) -> list[Path]:
+    """`count` random non-zero adapters for `base` (each its own values), saved under WORK/mixed-i."""
+    model = attach_lora(load_model(base), rank=rank, alpha=2 * rank, seed=0)
+    generator, paths = torch.Generator().manual_seed(2), []
+    for index in range(count):
+        with torch.no_grad():
+            for param in lora_parameters(model).values():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        paths.append(save_adapter(model, work / f"mixed-{index}", dtype=dtype))
+    return paths
+
+
+def _base_model(model: str, out: Path, hidden: int, layers: int) -> tuple[Path, str]:
+    """The served model's directory and its name in the report."""
+    if model == "smollm2":
+        return packaged_model_dir("smollm2"), "smollm2 (SmolLM2-135M) bf16"
+    return build_tiny_model(out, arch="qwen2", hidden=hidden, layers=layers, seed=0), \
+        f"qwen2 hidden={hidden} layers={layers} bf16"
+
+
 def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts: int = 16, samples: int = 4,
-                      max_new_tokens: int = 64, repeats: int = 5, log_dir: str | None = None) -> dict:
-    """Median generated tokens/s for base, adapter and merged serving on one bf16 vLLM server."""
+                      max_new_tokens: int = 64, repeats: int = 5, log_dir: str | None = None, model: str = "tiny",
+                      mixed: int = MIXED_ADAPTERS) -> dict:
+    """Median generated tokens/s for base, adapter, `mixed` adapters in one batch and merged serving
+    on one bf16 vLLM server (holding `mixed` adapters and the bench's own), the adapter also on a
+    second server with vLLM's LoRA ops."""
     with tempfile.TemporaryDirectory(prefix="graft-bench-rollout-") as tmp:
-        base = build_tiny_model(Path(tmp) / "base", arch="qwen2", hidden=hidden, layers=layers, seed=0)
+        base, name = _base_model(model, Path(tmp) / "base", hidden, layers)
         adapter, merged = prepare_adapter_and_merged(base, Path(tmp), rank, torch.bfloat16)
+        mixed_paths = mixed_adapters(base, Path(tmp), rank, mixed, torch.bfloat16)
         params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, ignore_eos=True)
         requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
-        config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank),
+        config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank), max_loras=mixed + 1,
                                   log_dir=log_dir or tmp, dev_endpoints=True)  # reloads merged weights
         with Console(stderr=True).status("starting two vLLM servers, graft's and vLLM's LoRA ops (~30-70 s each)"):
             server = VllmServer(config).start()
             try:
-                stock = VllmServer(replace(config, lora_ops="vllm", dev_endpoints=False)).start()
+                stock = VllmServer(replace(config, lora_ops="vllm", dev_endpoints=False, max_loras=1)).start()
             except BaseException:
                 server.stop()
                 raise
         try:
-            rates = asyncio.run(measure_rollout(server.url, base, adapter, merged, requests, repeats, stock.url))
+            rates = asyncio.run(measure_rollout(server.url, base, adapter, merged, requests, repeats, stock.url,
+                                                mixed_paths))
         finally:
             stock.stop()
             server.stop()
     result = {
-        "model": f"qwen2 hidden={hidden} layers={layers} bf16",
+        "model": name,
         "lora_rank": rank,
         "prompts": prompts,
         "samples": samples,
         "max_new_tokens": max_new_tokens,
+        "mixed_adapters": mixed,
         "repeats": repeats,
         **{f"{mode}_tokens_per_s": statistics.median(values) for mode, values in rates.items()},
     }
     result["adapter_vs_base"] = result["adapter_tokens_per_s"] / result["base_tokens_per_s"]
+    result["mixed_vs_base"] = result["mixed_adapters_tokens_per_s"] / result["base_tokens_per_s"]
     result["grouped_vs_vllm_ops"] = result["adapter_tokens_per_s"] / result["adapter_vllm_ops_tokens_per_s"]
     result["merged_vs_adapter"] = result["merged_tokens_per_s"] / result["adapter_tokens_per_s"]
     return result
@@ -125,16 +185,21 @@ def print_rollout_report(result: dict) -> None:
     table.add_column("served as")
     table.add_column("tokens/s (median)")
     for mode, label in MODES.items():
+        if mode == "mixed_adapters":
+            label = f"{result['mixed_adapters']} {label}"
         table.add_row(label, f"{result[f'{mode}_tokens_per_s']:.0f}")
     console = Console()
     console.print(table)
-    console.print(f"adapter serving runs at {result['adapter_vs_base']:.2f}x the base rate; merged weights at "
+    console.print(f"adapter serving runs at {result['adapter_vs_base']:.2f}x the base rate, "
+                  f"{result['mixed_adapters']} mixed adapters at {result['mixed_vs_base']:.2f}x; merged weights at "
                   f"{result['merged_vs_adapter']:.2f}x the adapter rate; graft's LoRA ops at "
                   f"{result['grouped_vs_vllm_ops']:.2f}x vLLM's (medians of {result['repeats']} rounds)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`graft bench rollout`'s flags: the served model's shape, the LoRA rank, how many rounds."""
+    """`graft bench rollout`'s flags: the served model or its shape, the LoRA rank, how many rounds."""
+    parser.add_argument("--model", choices=MODELS, default="tiny",
+                        help="a random Qwen2 of --hidden/--layers, or SmolLM2-135M (default %(default)s)")
     parser.add_argument("--hidden", type=COUNT, default=256, help="model hidden size (default %(default)s)")
     parser.add_argument("--layers", type=COUNT, default=4, help="decoder layers (default %(default)s)")
     parser.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default %(default)s)")
@@ -144,6 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """`graft bench rollout`: measure, print the table, return what --json writes."""
-    result = run_rollout_bench(hidden=args.hidden, layers=args.layers, rank=args.rank, repeats=args.repeats)
+    result = run_rollout_bench(hidden=args.hidden, layers=args.layers, rank=args.rank, repeats=args.repeats,
+                               model=args.model)
     print_rollout_report(result)
     return result
