@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from graft.cli import _serving_lines, main
+from graft.cli import main
+from graft.commands.serve import _serving_lines
 from graft.rollout.launcher import ServerStartupError, free_port
 from graft.rollout.vllm.launcher import VllmServer
 from tests.helpers import live_group_members

@@ -9,7 +9,7 @@ from pathlib import Path
 GRAFT = Path(__file__).parents[1] / "graft"
 # README's table, lowest layer first: a module may import only from its own layer or those before it.
 LAYERS = ["atomic", "config", "models", "rl", "lora", "tasks", "rollout", "sync", "evaluation", "train", "tenants",
-          "quickstart", "bench", "cli"]
+          "quickstart", "bench", "commands", "cli"]
 IMPORT = re.compile(r"^\s*(?:from|import)\s+graft\.(\w+)", re.M)
 
 

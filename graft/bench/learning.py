@@ -35,7 +35,7 @@ from graft.evaluation import evaluate, loaded_adapter
 from graft.models.cache import default_cache_dir
 from graft.models.loading import load_tokenizer
 from graft.quickstart.base import quickstart_base, shipped_config
-from graft.quickstart.command import MODELS
+from graft.quickstart import MODELS
 from graft.rollout.factory import open_engine
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 from graft.tasks.registry import load_task_data

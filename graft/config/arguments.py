@@ -27,6 +27,13 @@ def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """A config command's CONFIG and its repeatable `-o KEY=VALUE` overrides (train, eval, config)."""
+    parser.add_argument("config", nargs="?", default=None, help="YAML config (omit for the defaults)")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"dotted override, e.g. -o {example} (repeatable)")
+
+
 COUNT = at_least(1)  # layers, sizes, steps, repeats, ...: one at least
 SEED = at_least(0)
 PORT = at_least(1, 65_535)  # a TCP port

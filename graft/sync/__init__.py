@@ -9,5 +9,5 @@ verify    delivery verification: the engine serves exactly the trainer's policy 
 guard     what never reaches a server: non-finite adapters, or finite ones whose forward overflows
 owner     adapter names, and the live run that uses a lora.name on a shared server (a flock on its
           publish root): an earlier run's adapters are unloaded, a live run's refused
-served_adapter, verify_command   `graft verify`: the delivery check for any server and adapter
+served_adapter    `graft verify`'s delivery check for any server and adapter
 """

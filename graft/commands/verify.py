@@ -1,4 +1,4 @@
-"""The `graft verify` command line (graft.sync.served_adapter does the work). Imports nothing heavy until
+"""`graft verify`: the delivery check for any server and adapter (graft.sync.served_adapter does the work). Imports nothing heavy until
 the command runs, so that `graft --help` stays fast."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """`graft verify`: exit 0 when the server serves exactly the adapter, 1 when not (one line)."""
     import asyncio
 
@@ -36,7 +36,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
-def add_verify_command(sub) -> None:
+def add_command(sub) -> None:
     """The `graft verify` subcommand."""
     p = sub.add_parser("verify", help="does a running vLLM/SGLang server serve exactly this LoRA adapter?",
                        description="For adapters trained by any framework: the server answers a fixed probe "
@@ -56,4 +56,4 @@ def add_verify_command(sub) -> None:
                                                    "bfloat16 3x the server's base model's gap to --base here, "
                                                    "within 0.1-0.5)")
     p.add_argument("--api-key-env", metavar="NAME", help="environment variable holding the server's API key")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=run)

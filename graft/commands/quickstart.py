@@ -1,5 +1,5 @@
-"""`graft quickstart`'s flags and what they run. Kept apart from `run` so that building the `graft`
-parser imports nothing heavy."""
+"""`graft quickstart`: its flags and what they run (graft.quickstart does the work, imported only when
+the command runs, so that building the `graft` parser imports nothing heavy)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import argparse
 from pathlib import Path
 
 from graft.config.arguments import COUNT, SEED
+from graft.quickstart import MODELS
 
-MODELS = ("tiny", "smollm2", "gemma3-270m")  # graft.quickstart.base.MODELS, named here without importing torch
 
 
-def add_quickstart_command(sub) -> None:
+def add_command(sub) -> None:
     """`graft quickstart [--task T] [--model M] [--run-dir D] [--seed S] [--steps N] [--cache-dir C]` on the
     `graft` parser."""
     p = sub.add_parser("quickstart", help="the main job: LoRA GRPO on a real vLLM server, end to end",
