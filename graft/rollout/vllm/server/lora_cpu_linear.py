@@ -123,11 +123,25 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
         shrunk_NR = x_NI @ a_SRI[slots.slot].T
         y_NO.addmm_(shrunk_NR, b_SOR[slots.slot].T.to(y.dtype), alpha=scale)
         return
-    a_KRI, b_KOR = a_SRI[slots.slots_K], b_SOR[slots.slots_K]
-    shrunk_KMR = torch.bmm(x_NI[slots.rows_KM], a_KRI.transpose(1, 2)).masked_fill_(slots.padding_KM1, 0)
+    a_KRI, b_KOR = step_weights(lora_a_stacked[0], a_SRI, b_SOR, slots)
+    rows = slots.rows_KM.view(-1)
+    inputs_KMI = x_NI.index_select(0, rows).view(*slots.rows_KM.shape, -1)
+    shrunk_KMR = torch.bmm(inputs_KMI, a_KRI.transpose(1, 2)).masked_fill_(slots.padding_KM1, 0)
     expanded_KMO = torch.bmm(shrunk_KMR, b_KOR.transpose(1, 2)).to(y.dtype)
     # Padded positions add an exact 0 to row 0.
-    y_NO.index_add_(0, slots.rows_KM.flatten(), expanded_KMO.flatten(0, 1), alpha=scale)
+    y_NO.index_add_(0, rows, expanded_KMO.flatten(0, 1), alpha=scale)
+
+
+def step_weights(first_a: torch.Tensor, a_SRI: torch.Tensor, b_SOR: torch.Tensor,
+                 slots: StepSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked weights of the slots a mixed step uses, gathered once per step and layer (the two
+    gathers took about as long as the layer's two products, measured at SmolLM2's q/k/v with 8 slots):
+    cached on the layer's first A tensor beside its stacked weights."""
+    cached = getattr(first_a, "_graft_step_weights", None)
+    if cached is None or cached[0] is not slots or cached[1] is not a_SRI:
+        cached = (slots, a_SRI, a_SRI.index_select(0, slots.slots_K), b_SOR.index_select(0, slots.slots_K))
+        first_a._graft_step_weights = cached
+    return cached[2], cached[3]
 
 
 def install() -> bool:

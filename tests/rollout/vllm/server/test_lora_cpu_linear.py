@@ -124,3 +124,21 @@ def test_installed_over_the_pinned_vllm(monkeypatch):
     monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_linear", VLLM_ADD_LORA_LINEAR)
     assert lora_cpu_linear.install(), "the pinned vLLM's add_lora_linear changed: check graft's against it"
     assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu_linear.add_lora_linear
+
+
+def test_a_mixed_step_sees_an_adapter_written_into_its_slot_between_calls():
+    """The mixed path's per-step gather of the used slots' weights is rebuilt on a new load, and on a
+    new step."""
+    indices = INDICES["mixed with none"]
+    ours, vllms = _Wrapper(indices), _VllmWrapper(indices)
+    ours.add_lora_linear = lora_cpu_linear.add_lora_linear.__get__(ours)
+    a, b = _layer(SLICES["gate_up"], torch.float32)
+    x, y = torch.randn(len(indices), IN), torch.randn(len(indices), 80)
+    _apply(ours, y, x, a, b, SLICES["gate_up"])
+    b[1][3, 0].copy_(torch.randn(40, RANK))
+    a[0][1, 0].mul_(2)
+    slices = SLICES["gate_up"]
+    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), rtol=1e-5, atol=1e-4)
+    for wrapper in (ours, vllms):
+        wrapper.set(indices[::-1])
+    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), rtol=1e-5, atol=1e-4)
