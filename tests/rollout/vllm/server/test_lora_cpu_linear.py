@@ -12,6 +12,7 @@ punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
 VLLM_ADD_LORA_LINEAR = punica_cpu.PunicaWrapperCPU.add_lora_linear
 
 SLOTS, RANK, IN = 4, 8, 48
+FP32 = {"rtol": 1e-5, "atol": 1e-4}
 SLICES = {"qkv": (32, 16, 16), "gate_up": (40, 40), "one": (24,)}
 INDICES = {
     "one adapter": [2] * 19,
@@ -83,7 +84,7 @@ def test_add_lora_linear_equals_vllms_wrapper(indices, slices, dtype):
     x = torch.randn(len(INDICES[indices]), IN, generator=gen).to(dtype)
     y = torch.randn(len(INDICES[indices]), sum(SLICES[slices]), generator=gen).to(dtype)
     got, want = _apply(ours, y, x, a, b, SLICES[slices]), _apply(vllms, y, x, a, b, SLICES[slices])
-    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 0.25}
+    tolerance = FP32 if dtype == torch.float32 else {"rtol": 2e-2, "atol": 0.25}
     torch.testing.assert_close(got, want, **tolerance)
     none_N = torch.tensor(INDICES[indices]) == -1
     assert torch.equal(got[none_N], y[none_N]), "a token without an adapter got one"
@@ -138,7 +139,7 @@ def test_a_mixed_step_sees_an_adapter_written_into_its_slot_between_calls():
     b[1][3, 0].copy_(torch.randn(40, RANK))
     a[0][1, 0].mul_(2)
     slices = SLICES["gate_up"]
-    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), **FP32)
     for wrapper in (ours, vllms):
         wrapper.set(indices[::-1])
-    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(_apply(ours, y, x, a, b, slices), _apply(vllms, y, x, a, b, slices), **FP32)
