@@ -1,6 +1,7 @@
 """Tenants' adapters trained in shared batches on one base (graft.tenants.policy): a routed forward is
 PEFT's own forward for each tenant's tokens, and a tenant trained beside others ends where it would
-alone (fp32, 1e-6 relative), a NaN tenant refused alone."""
+alone (fp32, 1e-6 relative; bit-equal with `batch_invariant`, beside tenants of other ranks, lengths
+and numbers of datums), a NaN tenant refused alone."""
 
 import random
 
@@ -17,13 +18,14 @@ SPECS = [TenantSpec("alice", rank=4, alpha=8, seed=1),
 ADAM = {"alice": AdamParams(learning_rate=1e-2), "bob": AdamParams(learning_rate=3e-3, beta2=0.99),
         "carol": AdamParams(learning_rate=2e-2, weight_decay=0.1)}
 STEPS = 3
+OTHER_SHAPES = {"dave": (40, 33, 47), "erin": (3,)}  # lengths of the datums of tenants unlike SPECS'
 
 
 def _datums(tenant: str, step: int, loss: str, vocab: int = 200) -> list[Datum]:
     """Two sequences of different lengths for `tenant` at `step`, with the inputs `loss` needs."""
     rng = random.Random(f"{tenant}-{step}")
     out = []
-    for length in (rng.randint(5, 9), rng.randint(10, 14)):
+    for length in OTHER_SHAPES.get(tenant) or (rng.randint(5, 9), rng.randint(10, 14)):
         n = length - 1
         inputs = {"weights": [float(i >= 2) for i in range(n)], "logprobs": [rng.uniform(-6, -1) for _ in range(n)],
                   "advantages": [rng.uniform(-1, 1) for _ in range(n)]}
@@ -43,10 +45,10 @@ def _interleaved(datums: list[Datum], rng: random.Random) -> list[Datum]:
     return [queues[tenant].pop(0) for tenant in order]
 
 
-def _train(base_dir, specs, steps: int, loss: str, poison: str | None = None) -> TenantPolicy:
+def _train(base_dir, specs, steps: int, loss: str, poison: str | None = None, **options) -> TenantPolicy:
     """`steps` rounds: one forward_backward over every tenant's datums together, then each tenant's step.
-    The `poison` tenant's datums have a NaN weight at its second round."""
-    policy = TenantPolicy(load_model(base_dir))
+    The `poison` tenant's datums have a NaN weight at its second round; `options` go to `TenantPolicy`."""
+    policy = TenantPolicy(load_model(base_dir), **options)
     for spec in specs:
         policy.add(spec)
     for step in range(steps):
@@ -57,7 +59,7 @@ def _train(base_dir, specs, steps: int, loss: str, poison: str | None = None) ->
         datums = _interleaved(datums, random.Random(step))
         policy.forward_backward(datums, loss)
         for spec in specs:
-            policy.optim_step(spec.name, ADAM[spec.name])
+            policy.optim_step(spec.name, ADAM.get(spec.name, AdamParams(learning_rate=1e-2)))
     return policy
 
 
@@ -77,6 +79,19 @@ def test_a_tenant_trained_beside_others_ends_where_it_would_alone(base_dir, loss
         start.add(spec)
         moved = [(p - start.parameters(spec.name)[k]).norm().item() for k, p in together.parameters(spec.name).items()]
         assert min(moved) > 1e-4  # it did train: every LoRA matrix moved
+
+
+@pytest.mark.parametrize("pass_tokens", [4096, 40])  # one pass; several, each tenant's datums cut as alone
+def test_batch_invariant_tenants_end_bit_equal_to_themselves_alone_beside_others_of_any_shape(base_dir, pass_tokens):
+    """dave (rank 16, three 33-47-token datums) and erin (rank 8, one 3-token datum: a batch of 3 rows,
+    fewer than a GEMM's row-invariant 16) beside SPECS' tenants change the batch's rows, width and
+    passes; with `batch_invariant` nothing of that reaches any tenant's bits."""
+    specs = [*SPECS, TenantSpec("dave", rank=16, alpha=16, seed=4), TenantSpec("erin", rank=8, alpha=8, seed=5)]
+    together = _train(base_dir, specs, STEPS, "importance_sampling", batch_invariant=True, pass_tokens=pass_tokens)
+    for spec in specs:
+        alone = _train(base_dir, [spec], STEPS, "importance_sampling", batch_invariant=True, pass_tokens=pass_tokens)
+        mine, theirs = together.parameters(spec.name), alone.parameters(spec.name)
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), spec.name
 
 
 def test_a_tenant_with_a_nan_loss_is_refused_its_step_and_the_others_go_on(base_dir):
