@@ -159,7 +159,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(base_di
 
     common = ["train", "-o", f"model.path={base_dir}", "-o", "rollout.engine=reference", "-o", "train.steps=2",
               "-o", "train.checkpoint_every=1", "-o", "train.eval_every=0", "-o", "train.batch_prompts=2",
-              "-o", "rollout.n_samples=2", "-o", "rollout.max_new_tokens=2", "--run-dir", str(tmp_path / "run")]
+              "-o", "rollout.n_samples=2", "-o", "rollout.max_new_tokens=2", "-o", "train.eval_examples=2",
+              "--run-dir", str(tmp_path / "run")]
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     code = main(common)
     out, err = capsys.readouterr()

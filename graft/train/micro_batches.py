@@ -181,7 +181,7 @@ def _loss_mask(batch: RolloutBatch, rows: list[int], mask_BC: Tensor) -> Tensor:
     return torch.zeros_like(mask_BC).masked_scatter(mask_BC, flat)
 
 
-def scored(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy: bool = False
+def completion_logprobs(model: nn.Module, micro: MicroBatch, train: TrainConfig, with_entropy: bool = False
            ) -> tuple[Tensor, Tensor]:
     """`(logprobs_BC, entropy_BC)`: each sequence's completion-token log-probs (and entropies) as
     one row, whatever the layout. The LM head runs only at the positions that predict a completion

@@ -35,7 +35,7 @@ from graft.rl.shaping import sequence_kl
 from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 from graft.train.dist import Dist, clip_grad_norm
 from graft.train.memory_budget import auto_sizes
-from graft.train.micro_batches import Micros, equalized, lay_out, plan_by_rank, scored
+from graft.train.micro_batches import Micros, completion_logprobs, equalized, lay_out, plan_by_rank
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.step_plan import mini_batch_shuffle_seed
 
@@ -106,9 +106,9 @@ class _LogprobCache:
                 micro = lay_out(model, batch, part, pad_id, train)
                 if ref_needed:
                     with adapter_disabled(model):
-                        self._keep(self.ref, micro, scored(model, micro, train)[0])
+                        self._keep(self.ref, micro, completion_logprobs(model, micro, train)[0])
                 if old_needed:
-                    self._keep(self.old, micro, scored(model, micro, train)[0])
+                    self._keep(self.old, micro, completion_logprobs(model, micro, train)[0])
                     for r in part:
                         self.note_gap(r, self.old[r])
 
@@ -131,7 +131,7 @@ class _LogprobCache:
         return self.counted[row] if row in self.counted else torch.ones_like(self.engine[row], dtype=torch.bool)
 
     def rows(self, which: dict, rows: list[int], mask_BC: torch.Tensor) -> torch.Tensor:
-        """`rows`' cached values as `[B, C]` rows (the layout of `micro_batches.scored`'s results)."""
+        """`rows`' cached values as `[B, C]` rows (the layout of `completion_logprobs`' results)."""
         out_BC = torch.zeros(mask_BC.shape, dtype=torch.float32, device=mask_BC.device)
         return out_BC.masked_scatter(mask_BC, torch.cat([which[r] for r in rows])) if rows else out_BC
 
@@ -263,7 +263,7 @@ def _micro_batch_loss(model: nn.Module, batch: RolloutBatch, rows: list[int], ad
     micro = lay_out(model, batch, rows, pad_id, train)
     rows, mask_BC = micro.rows, micro.mask_BC  # in layout order: the order of the [B, C] results
     loss_mask_BC = micro.loss_mask_BC  # mask_BC less environment tokens: what the loss and its stats count
-    logprobs_BC, entropy_BC = scored(model, micro, train, with_entropy=True)
+    logprobs_BC, entropy_BC = completion_logprobs(model, micro, train, with_entropy=True)
     if single_step:
         old_BC = logprobs_BC.detach()
         for b, (r, n) in enumerate(zip(rows, micro.completion_lens)):

