@@ -18,6 +18,12 @@ is not on the package index here and serves only its Inkling and audio renderers
 Reported per tenant: the mean reward of the first and last `--window` steps (the recipe's
 `env/all/reward/total`), and how many of the service's forward_backward passes held more than one
 tenant. cookbook.png plots every tenant's reward per step.
+
+`--tenants 1,2,4,8`: the scaling curve (graft.bench.cookbook_curve), each N its own service and N
+processes on one vLLM server: per N trained and sampled tokens/s, the trainer's busy fraction and the
+fraction of passes holding two tenants or more; `--json` carries `aggregate_over_single`,
+`multi_tenant_pass_fraction` and `trainer_busy_fraction` of the largest N and every row in `curve`;
+cookbook-curve.png plots them. `--steps 3 --groups 2 --group-size 4` keeps a curve short.
 """
 
 from __future__ import annotations
@@ -197,7 +203,7 @@ def print_curve(result: dict) -> None:
     for column in columns:
         table.add_column(column)
     for row in result["curve"]:
-        table.add_row(str(row["tenants"]), f"{row['trained_tokens_per_s']:.0f}", f"{row['sampled_tokens_per_s']:.1f}",
+        table.add_row(str(row["tenants"]), f"{row['trained_tokens_per_s']:.1f}", f"{row['sampled_tokens_per_s']:.1f}",
                       f"{row['trainer_busy_fraction']:.2f}", f"{row['multi_tenant_pass_fraction']:.2f}",
                       str(row["step_median_s"]), str(row["gap_median_s"]))
     Console().print(table)
