@@ -33,7 +33,7 @@ STOP_GRACE_S = 2
 async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: int, max_rank: int,
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
                          limits: Limits = Limits(), batch_window_s: float = 10.0,
-                         session_timeout_s: float = 300.0) -> AsyncIterator:
+                         session_timeout_s: float = 300.0, batch_invariant: bool = False) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training
     only, sampling refused)."""
@@ -51,7 +51,7 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
     # close() over 120 s behind one pass of 8 x 500 tokens).
     stopping = stop_points(base)
     bounds = Bounds.of(base, limits)
-    policy = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0)
+    policy = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0, batch_invariant=batch_invariant)
     serving = (TenantServing(engine, run_dir / "adapters", max_loras=max_loras, keep_versions=keep_versions)
                if engine is not None else None)
     service = TenantService(policy, serving, base_model=base_model or str(model_dir), tokenizer_id=str(model_dir),
@@ -93,7 +93,7 @@ async def _serve(args: argparse.Namespace, users: Users) -> None:
             url = server.url
         async with served_tenants(url, model_dir, api_key=engine_key, run_dir=args.run_dir, max_loras=args.max_loras,
                                   max_rank=args.max_rank, keep_versions=args.keep_versions, dtype=args.dtype,
-                                  limits=limits_of(args)) as service:
+                                  limits=limits_of(args), batch_invariant=args.batch_invariant) as service:
             # A stop waits at most STOP_GRACE_S for open requests: a retrieve_future long poll holds its
             # connection up to 25 s, and a SIGTERM'd service took 24 s to exit behind one (measured).
             config = uvicorn.Config(build_app(service, users), host=args.host, port=args.port, log_level="warning",
@@ -162,4 +162,6 @@ def add_tenants_command(sub) -> None:
                        help="a user's requests in flight (more wait: 429)")
     serve.add_argument("--max-engine-requests", type=COUNT, default=limits.engine_per_user,
                        help="a user's sample requests at the engine at once (more wait their turn)")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="a tenant trained in shared passes ends bit-equal to it alone (slower: docs/tenants.md)")
     serve.set_defaults(func=cmd_tenants_serve)
