@@ -43,7 +43,6 @@ from graft.tenants.policy import (
     TenantError,
     TenantPolicy,
     TenantSpec,
-    passes_of,
 )
 from graft.train.dist import Dist, full_tensor
 from graft.train.parallelize import check_tensor_parallel, parallelize, reshard
@@ -56,13 +55,17 @@ class ShardedTenantPolicy(TenantPolicy):
     Raises:
         TenantError: no tenants, or a name `TenantPolicy.add` refuses.
         ValueError: `ctx.tp` cannot split the model or a tenant's target modules
-            (`check_tensor_parallel`).
+            (`check_tensor_parallel`), or `batch_invariant` with tensor parallelism (its blocked base
+            GEMMs run on plain tensors, TP's are DTensors).
     """
 
-    def __init__(self, base: nn.Module, specs: Sequence[TenantSpec], ctx: Dist, *, pad_id: int = 0) -> None:
+    def __init__(self, base: nn.Module, specs: Sequence[TenantSpec], ctx: Dist, *, pad_id: int = 0,
+                 batch_invariant: bool = False) -> None:
         if not specs:
             raise TenantError("a sharded policy needs its tenants up front: FSDP2 and TP shard every adapter once")
-        super().__init__(base, pad_id)
+        if batch_invariant and ctx.tp > 1:
+            raise ValueError(f"batch_invariant runs with data parallelism only, not tp={ctx.tp}")
+        super().__init__(base, pad_id, batch_invariant=batch_invariant)
         for spec in specs:
             check_tensor_parallel(base.config, ctx.tp, spec.target_modules)
         for spec in specs:
@@ -102,7 +105,7 @@ class ShardedTenantPolicy(TenantPolicy):
         if self._on_any_rank(refused is not None):
             raise refused or TenantError("forward_backward refused: another rank's share was refused (its rank "
                                          "raised the reason); nothing ran")
-        passes = len(list(passes_of(datums, self.pass_tokens)))
+        passes = len(self._passes(datums))
         most = int(self._max_over_ranks(passes))  # every rank makes as many passes (each one collectives)
         for _ in range(most - passes):
             self._stand_in(backward)
