@@ -229,3 +229,36 @@ def test_tenants_are_fixed_when_a_sharded_policy_is_built(base_dir):
         policy.add(SPECS[2])
     with pytest.raises(TenantError, match="needs its tenants up front"):
         ShardedTenantPolicy(load_model(base_dir), [], Dist())
+
+
+def _invariant_main(rank: int, model_dir, out_dir) -> None:
+    """On each rank: SPECS together with `batch_invariant`, then each tenant alone with it on the same
+    shares (its datums only); whether each ends bit-equal."""
+    init_gloo(rank, WORLD, out_dir / "rendezvous")
+    try:
+        ctx = mesh_dist(1)
+        policies = {"together": ShardedTenantPolicy(load_model(model_dir), SPECS, ctx, batch_invariant=True)}
+        for spec in SPECS:
+            policies[spec.name] = ShardedTenantPolicy(load_model(model_dir), [spec], ctx, batch_invariant=True)
+        for name, policy in policies.items():
+            policy.pass_tokens = PASS_TOKENS
+            for step in range(STEPS):
+                share = [d for d in _shares(step)[ctx.dp_rank] if name == "together" or d.tenant == name]
+                policy.forward_backward(share, LOSS)
+                for tenant in policy.tenants:
+                    policy.optim_step(tenant, _adam(tenant, step))
+        together = {spec.name: policies["together"].full_parameters(spec.name) for spec in SPECS}
+        equal = {spec.name: all(torch.equal(together[spec.name][k], t)
+                                for k, t in policies[spec.name].full_parameters(spec.name).items()) for spec in SPECS}
+        (out_dir / f"equal-{rank}.json").write_text(json.dumps(equal))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_invariant_tenants_on_fsdp_ranks_end_bit_equal_to_themselves_alone_on_the_ranks(base_dir, tmp_path):
+    """dp=2, each tenant's datums on the same ranks together and alone (carol's all on rank 0, rank 1
+    without datums at the last step): the ranks' gradient sums are two terms, and the rest is each
+    rank's own batch-invariant pass, so every tenant ends bit-equal."""
+    spawn_ranks(_invariant_main, (base_dir, tmp_path), WORLD)
+    for rank in range(WORLD):
+        assert json.loads((tmp_path / f"equal-{rank}.json").read_text()) == {spec.name: True for spec in SPECS}
