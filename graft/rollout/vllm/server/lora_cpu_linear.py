@@ -38,12 +38,16 @@ class StepSlots:
         slots_K: The slots used (ascending), where tokens use several or some use none; else None.
         rows_KM: Row of each slot's tokens in the step, padded with row 0 to `M` per slot.
         padding_KM1: True at padded positions (their products are zeroed before the add).
+        positions_N: Each token's position in the flattened `rows_KM` (0 for a token without one).
+        none_N1: True for tokens without an adapter; None where every token has one.
     """
 
     slot: int | None
     slots_K: torch.Tensor | None = None
     rows_KM: torch.Tensor | None = None
     padding_KM1: torch.Tensor | None = None
+    positions_N: torch.Tensor | None = None
+    none_N1: torch.Tensor | None = None
 
     @property
     def no_lora(self) -> bool:
@@ -69,7 +73,10 @@ def group_slots(indices_N: torch.Tensor) -> StepSlots:
     rows_KM[slot_of, position] = rows
     padding_KM1 = torch.ones(rows_KM.shape + (1,), dtype=torch.bool)
     padding_KM1[slot_of, position] = False
-    return StepSlots(None, slots_K, rows_KM, padding_KM1)
+    positions_N = torch.zeros_like(indices_N)
+    positions_N[rows] = slot_of * rows_KM.shape[1] + position
+    none_N1 = None if bool(used_N.all()) else (~used_N).unsqueeze(1)
+    return StepSlots(None, slots_K, rows_KM, padding_KM1, positions_N, none_N1)
 
 
 def step_slots(wrapper) -> StepSlots:
@@ -128,8 +135,12 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
     inputs_KMI = x_NI.index_select(0, rows).view(*slots.rows_KM.shape, -1)
     shrunk_KMR = torch.bmm(inputs_KMI, a_KRI.transpose(1, 2)).masked_fill_(slots.padding_KM1, 0)
     expanded_KMO = torch.bmm(shrunk_KMR, b_KOR.transpose(1, 2)).to(y.dtype)
-    # Padded positions add an exact 0 to row 0.
-    y_NO.index_add_(0, rows, expanded_KMO.flatten(0, 1), alpha=scale)
+    # Back in the tokens' order by a gather, not index_add_ (a scatter: 200 us a call at SmolLM2's
+    # gate/up with 8 slots, more than the two products).
+    expanded_NO = expanded_KMO.flatten(0, 1).index_select(0, slots.positions_N)
+    if slots.none_N1 is not None:
+        expanded_NO.masked_fill_(slots.none_N1, 0)
+    y_NO.add_(expanded_NO, alpha=scale)
 
 
 def step_weights(first_a: torch.Tensor, a_SRI: torch.Tensor, b_SOR: torch.Tensor,
