@@ -61,7 +61,8 @@ def _policy(base: Path, tenants: range, invariant: bool) -> TenantPolicy:
 
 def _round(policy: TenantPolicy, round_: int, datums: int, lengths: list[int], vocab: int) -> float:
     """One round for every tenant of `policy` (`t<i>`'s sequences of `lengths[i]` tokens); seconds."""
-    batch = [d for name in policy.tenants for d in _datums(int(name[1:]), round_, datums, lengths[int(name[1:])], vocab)]
+    indices = [int(name[1:]) for name in policy.tenants]
+    batch = [d for index in indices for d in _datums(index, round_, datums, lengths[index], vocab)]
     start = time.perf_counter()
     policy.forward_backward(batch, "cross_entropy")
     for name in policy.tenants:
