@@ -98,6 +98,7 @@ def test_step_grouping_is_cached_and_rebuilt_when_the_indices_change():
     assert first.slots_K.tolist() == [0, 1]
     assert first.rows_KM.tolist() == [[2, 0], [0, 1]] and first.padding_KM1.squeeze(-1).tolist() == [
         [False, True], [False, False]]
+    assert first.positions_N.tolist() == [2, 3, 0, 0] and first.none_N1.squeeze(-1).tolist() == [False] * 3 + [True]
     wrapper.set([3, 3, 3, 3])  # same length, same buffer: only the version tells
     assert lora_cpu_linear.step_slots(wrapper).slot == 3
     wrapper.set([3, 3])
