@@ -27,6 +27,7 @@ import torch
 
 # The measured version's signature (vLLM 0.32); another version keeps its own wrapper.
 _PARAMETERS = ["self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices", "buffer", "kwargs"]
+VLLM_ADD_LORA_LINEAR = None  # vLLM's own, once `install` replaced it (what a test fault puts back)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,11 @@ def install() -> bool:
         from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
     except ImportError:
         return False
+    global VLLM_ADD_LORA_LINEAR
+    if PunicaWrapperCPU.add_lora_linear is add_lora_linear:
+        return True
     if list(inspect.signature(PunicaWrapperCPU.add_lora_linear).parameters) != _PARAMETERS:
         return False
+    VLLM_ADD_LORA_LINEAR = PunicaWrapperCPU.add_lora_linear
     PunicaWrapperCPU.add_lora_linear = add_lora_linear
     return True

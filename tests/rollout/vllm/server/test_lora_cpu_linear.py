@@ -126,6 +126,9 @@ def test_installed_over_the_pinned_vllm(monkeypatch):
     monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_linear", VLLM_ADD_LORA_LINEAR)
     assert lora_cpu_linear.install(), "the pinned vLLM's add_lora_linear changed: check graft's against it"
     assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu_linear.add_lora_linear
+    assert lora_cpu_linear.VLLM_ADD_LORA_LINEAR is VLLM_ADD_LORA_LINEAR
+    assert lora_cpu_linear.install(), "installed twice: vLLM's own is kept, not graft's"
+    assert lora_cpu_linear.VLLM_ADD_LORA_LINEAR is VLLM_ADD_LORA_LINEAR
 
 
 def test_a_mixed_step_sees_an_adapter_written_into_its_slot_between_calls():
