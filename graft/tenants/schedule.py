@@ -13,7 +13,11 @@ each pass that starts alone would hold every later tenant back by a whole pass, 
 - a pass ready to run waits, at most `batch_window_s` from its arrival, while another model is in
   its training phase (`Scheduler._expected`: its last pass arrived less than 1.5 of its steps ago,
   or it was made but has not trained yet), and goes as soon as every such model's pass is there. A
-  lone client waits for no one.
+  lone client waits for no one. Measured (`graft bench cookbook`, math_rl, SmolLM2-135M, 2 groups x 4
+  samples, 3 steps, on 2 shared and overloaded cores): two recipes' passes arrived a median 40 s
+  apart (p90 59 s) with steps of 750 s, and none of 6 passes held both; with this gathering (cap
+  120 s) 1 of 5 did. There the gaps (clients started minutes apart) outran the cap, so each miss cost
+  the waiting tenant its cap; a lone client's step was the same (174 s before, 179 s after).
 
 Each round takes at most one operation per model, so a client that floods one model's queue gets
 that model's turn and no more.
