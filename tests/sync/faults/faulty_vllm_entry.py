@@ -80,6 +80,13 @@ def _no_lora_reads_the_last_slot() -> bool:
         return outputs_NO
 
     lora_cpu.lora_matvec = lora_matvec  # the bgmv ops look it up in their module at each call
+    # The linear layers' one-shrink-one-expand path (lora_cpu_linear) never calls the ops: put vLLM's
+    # own add_lora_linear back, which reaches the ops above slice by slice, as before that path.
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from graft.rollout.vllm.server import lora_cpu_linear
+
+    PunicaWrapperCPU.add_lora_linear = lora_cpu_linear.VLLM_ADD_LORA_LINEAR
     return True
 
 
