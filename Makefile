@@ -40,7 +40,7 @@ quickstart: venv
 	$(BIN)/graft quickstart --model smollm2
 
 test: venv
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 # One CUDA GPU: prove graft there in at most 10 minutes, with a pass/fail table (runs/gpu-check/).
 # Runs from the source tree with the machine's own torch/transformers/peft (GPU_PYTHON) and installs
