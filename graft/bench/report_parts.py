@@ -87,16 +87,20 @@ ROLLOUT_MODES = {"base": "base weights", "adapter": "adapter, graft's LoRA ops",
 
 
 def rollout(kept: list[dict]) -> list[str]:
-    """Generated tokens/s of one vLLM server through base weights, an adapter and merged weights."""
+    """Generated tokens/s of one vLLM server through base weights, an adapter, 8 adapters mixed in one
+    batch (results from before that mode have no such row) and merged weights."""
     lines = []
     for run in kept:
         r = run["result"]
+        modes = {**ROLLOUT_MODES, **({"mixed_adapters": f"{r.get('mixed_adapters', 8)} adapters mixed in one batch"}
+                                     if "mixed_adapters_tokens_per_s" in r else {})}
         lines += table(["served as", "tokens/s"], [[label, f"{r[f'{mode}_tokens_per_s']:.0f}"]
-                                                   for mode, label in ROLLOUT_MODES.items()])
+                                                   for mode, label in modes.items()])
+        mixed = f", **{r['mixed_vs_base']:.2f}x** through {r.get('mixed_adapters', 8)} mixed" if "mixed_vs_base" in r else ""
         lines += ["", f"{r['model']}, LoRA r={r['lora_rank']}, {r['prompts']} prompts x {r['samples']} samples x "
                       f"{r['max_new_tokens']} tokens, medians of {r['repeats']} rounds: graft's ops "
-                      f"**{r['grouped_vs_vllm_ops']:.2f}x** vLLM's; adapter {r['adapter_vs_base']:.2f}x the base "
-                      f"rate; merged {r['merged_vs_adapter']:.2f}x the adapter's."]
+                      f"**{r['grouped_vs_vllm_ops']:.2f}x** vLLM's; **{r['adapter_vs_base']:.2f}x** the base rate "
+                      f"through one adapter{mixed}; merged {r['merged_vs_adapter']:.2f}x the adapter's."]
     return lines
 
 
