@@ -106,6 +106,7 @@ def test_a_killed_vllm_server_stops_the_run_with_its_log_and_how_to_resume(base_
 
 
 @pytest.mark.vllm
+@pytest.mark.alone
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_or_killed_train_leaves_no_vllm_process(base_dir, tmp_path, sig):
     run_dir, stderr_path = tmp_path / "run", tmp_path / "stderr.txt"
@@ -145,6 +146,7 @@ def test_a_train_killed_while_its_server_starts_leaves_no_vllm_process(base_dir,
 
 
 @pytest.mark.vllm
+@pytest.mark.alone
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_server_start_up_acts_at_once(base_dir, tmp_path, sig, code):
     """SIGTERM or Ctrl-C while graft waits for its vLLM server's /health: the run stops and the server
