@@ -56,8 +56,10 @@ def _start_train(base_dir: Path, run_dir: Path, stderr_path: Path) -> subprocess
     command = [sys.executable, "-m", "graft.cli", "train", "--run-dir", str(run_dir)]
     for override in overrides:
         command += ["-o", override]
-    with open(stderr_path, "w") as stderr_file:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file)
+    with open(stderr_path, "w") as stderr_file:  # SIGINT handled as in a foreground job, however pytest was
+        # started (a background job of a script inherits SIGINT ignored, and Python then keeps ignoring it)
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr_file,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _stopped_within(process: subprocess.Popen, sig: signal.Signals, seconds: float) -> int:

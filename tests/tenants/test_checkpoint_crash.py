@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from graft.atomic import sweep_temporaries
@@ -150,7 +151,7 @@ class _Lines:
     """The fork server's output lines, read on a thread so that waiting for one has a deadline."""
 
     def __init__(self, server: subprocess.Popen, stderr_path: Path) -> None:
-        self.stderr_path, self._lines = stderr_path, queue.Queue()
+        self.stderr_path, self._lines, self.server_pid = stderr_path, queue.Queue(), server.pid
         threading.Thread(target=self._read, args=(server,), daemon=True).start()
 
     def _read(self, server: subprocess.Popen) -> None:
@@ -163,21 +164,21 @@ class _Lines:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"the fork server said nothing for {timeout:.0f} s; {_process_state(worker)}"
-                                 f"its stderr:\n{self.stderr_path.read_text()[-4000:]}") from None
+                                 f"{_process_state(self.server_pid, 'fork server')}its stderr:\n{self.stderr_path.read_text()[-4000:]}") from None
         assert line, f"the fork server ended; its stderr:\n{self.stderr_path.read_text()[-4000:]}"
         return line
 
 
-def _process_state(pid: int | None) -> str:
-    """The worker's scheduler state and kernel wait channel ('D' in fsync, say), for a failure message."""
+def _process_state(pid: int | None, who: str = "worker") -> str:
+    """A process's scheduler state and kernel wait channel ('D' in fsync, say), for a failure message."""
     if pid is None:
         return ""
     try:
         state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                      if line.startswith("State:"))
-        return f"worker {pid} {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}; "
+        return f"{who} {pid} {state}, waiting in {Path(f'/proc/{pid}/wchan').read_text() or '-'}; "
     except (OSError, StopIteration):
-        return f"worker {pid} is gone; "
+        return f"{who} {pid} is gone; "
 
 
 def _kill_one(server: subprocess.Popen, lines: _Lines, delay: float, *, after_a_save: bool) -> None:
@@ -199,6 +200,9 @@ def _kill_one(server: subprocess.Popen, lines: _Lines, delay: float, *, after_a_
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"worker ended with {status}"
 
 
+# Alone (`make test` runs it after the parallel part): beside another worker's tests, a killed worker's
+# end went unreported for 300 s once (2026-11-29; the worker was gone by then).
+@pytest.mark.alone
 def test_save_tenant_killed_at_random_instants_leaves_a_complete_state(base_dir, tmp_path):
     root, log_path, stderr_path = tmp_path / "states", tmp_path / "saves.log", tmp_path / "server.stderr"
     out_dir = root / "alice" / "state"
