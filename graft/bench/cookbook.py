@@ -40,6 +40,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from graft.atomic import one_builder
 from graft.bench.cookbook_curve import curve_row, curve_summary, plot_curve
 from graft.config.arguments import COUNT
 
@@ -56,17 +57,17 @@ def cookbook_site(cache_dir: Path, console: Console) -> Path:
     """A directory holding the cookbook and its extra packages (installed on first use), for PYTHONPATH."""
     site = cache_dir / f"cookbook-{COOKBOOK.split('==')[1]}"
     stamp = site / ".graft-installed.json"
-    cache_dir.mkdir(parents=True, exist_ok=True)
     wanted = [COOKBOOK, *COOKBOOK_EXTRAS]
-    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        return site
-    log = cache_dir / "cookbook-install.log"
-    with console.status(f"installing {COOKBOOK} into {site} (once; log {log})"), open(log, "w") as out:
-        code = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target",
-                               str(site), *wanted], stdout=out, stderr=subprocess.STDOUT).returncode
-    if code:
-        raise RuntimeError(f"installing {COOKBOOK} failed; see {log}")
-    stamp.write_text(json.dumps(wanted))
+    with one_builder(cache_dir / "cookbook.lock"):  # a second bench waits here for the first one's install
+        if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
+            return site
+        log = cache_dir / "cookbook-install.log"
+        with console.status(f"installing {COOKBOOK} into {site} (once; log {log})"), open(log, "w") as out:
+            code = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target",
+                                   str(site), *wanted], stdout=out, stderr=subprocess.STDOUT).returncode
+        if code:
+            raise RuntimeError(f"installing {COOKBOOK} failed; see {log}")
+        stamp.write_text(json.dumps(wanted))
     return site
 
 
