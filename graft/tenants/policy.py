@@ -70,15 +70,15 @@ def invariant_passes(datums: Sequence[Datum], budget: int) -> list[list[int]]:
             pieces.append(indices[:len(chunk)])
             indices = indices[len(chunk):]
     passes: list[list[int]] = []
-    longest = 0
+    longest = 0  # the longest datum of the last pass
     for piece in pieces:
-        longest_with = max(longest, *(len(datums[i].tokens) for i in piece))
-        if passes and (len(passes[-1]) + len(piece)) * longest_with <= budget:
+        piece_longest = max(len(datums[i].tokens) for i in piece)
+        if passes and (len(passes[-1]) + len(piece)) * max(longest, piece_longest) <= budget:
             passes[-1] += piece
+            longest = max(longest, piece_longest)
         else:
             passes.append(list(piece))
-            longest_with = max(len(datums[i].tokens) for i in piece)
-        longest = longest_with
+            longest = piece_longest
     return passes
 
 
