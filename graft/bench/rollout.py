@@ -48,20 +48,15 @@ MIXED_ADAPTERS = 8
 MODELS = ("tiny", "smollm2")  # a random Qwen2 of --hidden/--layers; SmolLM2-135M, packaged
 
 
-def by_adapter(requests: list[GenerateRequest], adapters: list[str]) -> dict[str, list[GenerateRequest]]:
+def by_adapter(requests: list[GenerateRequest], adapters: list[str | None]
+               ) -> dict[str | None, list[GenerateRequest]]:
     """Prompt p's request on adapter p mod len(adapters): the batch each adapter serves."""
     return {name: requests[index::len(adapters)] for index, name in enumerate(adapters)}
 
 
-async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapter: str | None) -> float:
-    start = time.perf_counter()
-    completions_P = await client.generate(requests, adapter=adapter)
-    seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for completions in completions_P for c in completions) / seconds
-
-
-async def _mixed_tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapters: list[str]) -> float:
-    """Tokens/s with every adapter's requests sent at once: the server batches them into the same steps."""
+async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], adapters: list[str | None]) -> float:
+    """Generated tokens/s of `requests`, prompt p's on adapters[p mod len(adapters)] (None: the base),
+    every adapter's batch sent at once: the server runs them in the same steps."""
     start = time.perf_counter()
     batches = by_adapter(requests, adapters)
     completions = await asyncio.gather(*(client.generate(batch, adapter=name) for name, batch in batches.items()))
@@ -98,15 +93,15 @@ async def _rounds(client: VllmClient, stock: VllmClient | None, base: Path, merg
     with Progress(transient=True) as progress:
         task = progress.add_task(f"rollout rounds ({', '.join(rates)})", total=repeats + 1)
         for round_index in range(repeats + 1):  # round 0 warms up caches and kernels, not counted
-            measured = {"base": await _tokens_per_s(client, requests, None),
-                        "adapter": await _tokens_per_s(client, requests, ADAPTER)}
+            measured = {"base": await _tokens_per_s(client, requests, [None]),
+                        "adapter": await _tokens_per_s(client, requests, [ADAPTER])}
             if mixed_names:
-                measured["mixed_adapters"] = await _mixed_tokens_per_s(client, requests, mixed_names)
+                measured["mixed_adapters"] = await _tokens_per_s(client, requests, mixed_names)
             if stock is not None:
-                measured["adapter_vllm_ops"] = await _tokens_per_s(stock, requests, ADAPTER)
+                measured["adapter_vllm_ops"] = await _tokens_per_s(stock, requests, [ADAPTER])
             await client.reload_weights(str(merged))
             try:
-                measured["merged"] = await _tokens_per_s(client, requests, None)
+                measured["merged"] = await _tokens_per_s(client, requests, [None])
             finally:
                 await client.reload_weights(str(base))
             if round_index:
