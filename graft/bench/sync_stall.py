@@ -105,10 +105,28 @@ class _Reader:
     async def wait_for(self, counts: list[int]) -> None:
         """Until stream i has sent `counts[i]` tokens."""
         while any(n > sent for n, sent in zip(counts, self.tokens())):
-            if self._pump.done():
-                await self.process.wait()
-                raise RuntimeError(f"the stream reader stopped (exit {self.process.returncode}): a request failed")
+            await self._check_reading()
             await asyncio.sleep(0.005)
+
+    async def wait_mid_request(self, max_tokens: int) -> None:
+        """Until some stream's latest request has sent between SETTLE_TOKENS and half its `max_tokens`:
+        a sync started then overlaps that request's decoding. Streams whose requests all end together
+        could otherwise be between requests (in a prefill) for the whole of a short sync, and the probe
+        would see no decoding gap across it (CI, 40-token requests, a 0.3 s sync)."""
+        while True:
+            latest: dict[int, tuple[int, int]] = {}
+            for (index, request), chunks in self.requests.items():
+                if request >= latest.get(index, (-1, 0))[0]:
+                    latest[index] = (request, sum(t for _, t in chunks))
+            if any(SETTLE_TOKENS <= sent <= max_tokens // 2 for _, sent in latest.values()):
+                return
+            await self._check_reading()
+            await asyncio.sleep(0.002)
+
+    async def _check_reading(self) -> None:
+        if self._pump.done():
+            await self.process.wait()
+            raise RuntimeError(f"the stream reader stopped (exit {self.process.returncode}): a request failed")
 
     def tokens(self) -> list[int]:
         """Tokens each stream sent so far, over its requests."""
@@ -140,7 +158,7 @@ async def _probe(url: str, policy, work: Path, transport: str, max_tokens: int, 
                     sys.executable, "-m", __name__, url, sync.request_adapter(1), str(STREAMS), str(max_tokens),
                     stdout=asyncio.subprocess.PIPE))
                 try:
-                    await _syncs_while_decoding(sync, policy, reader, windows, syncs)
+                    await _syncs_while_decoding(sync, policy, reader, windows, syncs, max_tokens)
                 finally:
                     await reader.stop()
         finally:
@@ -149,13 +167,14 @@ async def _probe(url: str, policy, work: Path, transport: str, max_tokens: int, 
 
 
 async def _syncs_while_decoding(sync, policy, reader: _Reader, windows: list[tuple[float, float]],
-                                syncs: int) -> None:
+                                syncs: int, max_tokens: int) -> None:
     from graft.bench.common import new_policy_weights
 
     await reader.wait_for([SETTLE_TOKENS] * STREAMS)
     for version in range(2, syncs + 2):
         await asyncio.sleep(SYNC_EVERY_S)
         new_policy_weights(policy)
+        await reader.wait_mid_request(max_tokens)
         start = time.monotonic()
         await sync.sync(policy, version, version)
         windows.append((start, time.monotonic()))
