@@ -165,6 +165,21 @@ class EnginePool:
             if completions is not None:
                 return completions
 
+    async def prompt_logprobs(self, prompt: Sequence[int], adapter: str | None = None) -> list[float | None]:
+        """`prompt`'s log-probs under `adapter` (an HTTP client's `prompt_logprobs`) from the least-busy
+        live member; one that went down is dropped and the next asked, as for a generation."""
+        while True:
+            i = self._pick()
+            self._in_flight[i] += 1
+            try:
+                return await self.members[i].prompt_logprobs(prompt, adapter=adapter)
+            except EngineUnavailableError as error:
+                if not await self._down(i, error, probe=True):
+                    raise
+                self._drop(i, error)
+            finally:
+                self._in_flight[i] -= 1
+
     async def _answer(self, i: int, request: GenerateRequest, adapter: str | None) -> list[Completion] | None:
         """Member i's completions for `request`; None when member i was dropped meanwhile. Probes
         member i's health each `probe_after_s` without an answer; `_MemberDown` if the probe fails."""

@@ -25,7 +25,7 @@ import torch
 
 from graft.atomic import atomic_dir, save_safetensors
 from graft.lora.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_adapter_files
-from graft.tenants.policy import TenantPolicy, TenantSpec
+from graft.tenants.policy import TenantPolicy, TenantSpec, TenantState
 from graft.tenants.source import single_adapter_key, tenant_config_dict
 
 OPTIMIZER = "optimizer.safetensors"
@@ -44,14 +44,13 @@ def save_tenant(policy: TenantPolicy, tenant: str, out_dir: Path, *, overwrite: 
     Raises:
         ValueError: `out_dir` holds files and `overwrite` is False.
     """
-    params = policy.parameters(tenant)
-    optimizer = policy.optimizer(tenant)
+    state = policy.tenant_state(tenant)  # on a sharded policy: whole tensors, gathered on every rank
     moments = {}
-    for name, param in params.items():
-        for moment, value in optimizer.state.get(param, {}).items():
+    for name, saved in state.moments.items():
+        for moment, value in saved.items():
             moments[f"{single_adapter_key(name, tenant)}.{moment}"] = torch.as_tensor(value).detach().cpu()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        write_adapter_files({single_adapter_key(name, tenant): param.detach() for name, param in params.items()},
+        write_adapter_files({single_adapter_key(name, tenant): tensor for name, tensor in state.params.items()},
                             tenant_config_dict(policy.model, tenant), tmp)
         save_safetensors(moments, tmp / OPTIMIZER)
     return out_dir
@@ -78,16 +77,9 @@ def load_tenant(policy: TenantPolicy, tenant: str, path: Path, *, with_optimizer
         raise TenantCheckpointError(f"{path}: its tensors do not match tenant {tenant!r}'s adapter (rank or modules "
                                     "differ)")
     moments = _tensors(path / OPTIMIZER) if with_optimizer else {}
-    optimizer = policy.optimizer(tenant)
-    with torch.no_grad():
-        for key, name in keys.items():
-            params[name].copy_(saved[key])
-            params[name].grad = None
-            state = {moment: moments[f"{key}.{moment}"] for moment in MOMENTS if f"{key}.{moment}" in moments}
-            if state:
-                optimizer.state[params[name]] = {m: v.to(params[name].device) for m, v in state.items()}
-            else:
-                optimizer.state.pop(params[name], None)
+    policy.set_tenant_state(tenant, TenantState(
+        {name: saved[key] for key, name in keys.items()}, {name: None for name in keys.values()},
+        {name: {m: moments[f"{key}.{m}"] for m in MOMENTS if f"{key}.{m}" in moments} for key, name in keys.items()}))
 
 
 def _config(path: Path) -> dict:

@@ -1,7 +1,11 @@
 """`graft tenants serve`: many users' LoRA adapters trained and sampled on one base, behind the Tinker API.
 
 The service loads the base once for training (graft.tenants.policy) and serves each tenant's
-published versions from one vLLM server as `<tenant>-v<N>` (launched here, or `--engine-url`).
+published versions as `<tenant>-v<N>` from vLLM: one server launched here (`--engines N`: N of them),
+or the servers at `--engine-url` (repeated: several). Several servers are one `EnginePool`
+(graft.rollout.pool): every tenant's versions loaded on each, samples to the least busy, a server
+that stops answering dropped. Under `torchrun --nproc-per-node N --no-python graft tenants serve`
+the ranks train together on FSDP2 (and `--tp`) and rank 0 answers HTTP (graft.tenants.ranks).
 Loopback by default (another interface warns); every request needs a user's API key (`X-API-Key`):
 `--keys FILE` (`<user> <key>` lines) for many users, or TINKER_API_KEY for one, which the SDK reads
 too (it refuses keys that do not start with "tml-"). The vLLM launched here requires a key of the
@@ -17,7 +21,8 @@ import contextlib
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
@@ -33,30 +38,38 @@ STOP_GRACE_S = 2
 async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: int, max_rank: int,
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
                          limits: Limits = Limits(), batch_window_s: float = 10.0,
-                         session_timeout_s: float = 300.0, batch_invariant: bool = False) -> AsyncIterator:
+                         session_timeout_s: float = 300.0, batch_invariant: bool = False,
+                         ranked=None) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training
-    only, sampling refused)."""
+    only, sampling refused). `ranked`: rank 0's `RankedTenantPolicy` (graft.tenants.ranks), which
+    trains on every rank; None: one process."""
     from graft.models.loading import load_model, load_tokenizer
     from graft.tenants.parse import Bounds
     from graft.tenants.policy import TenantPolicy
+    from graft.tenants.ranks import RankedSource
     from graft.tenants.service import TenantService
     from graft.tenants.serving import TenantServing
+    from graft.tenants.source import TenantSource
     from graft.train.abandon import stop_points
 
     tokenizer = load_tokenizer(model_dir)
-    base = load_model(model_dir, dtype)
-    # On the base's decoder layers, which every tenant's PEFT model runs through: a stopping service
-    # ends a pass at its next layer instead of waiting for it (a SIGTERM'd service on SmolLM2 sat in
-    # close() over 120 s behind one pass of 8 x 500 tokens).
-    stopping = stop_points(base)
-    bounds = Bounds.of(base, limits)
-    policy = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0, batch_invariant=batch_invariant)
+    if ranked is None:
+        base = load_model(model_dir, dtype)
+        # On the base's decoder layers, which every tenant's PEFT model runs through: a stopping service
+        # ends a pass at its next layer instead of waiting for it (a SIGTERM'd service on SmolLM2 sat in
+        # close() over 120 s behind one pass of 8 x 500 tokens).
+        stopping = stop_points(base)
+        policy, source = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0, batch_invariant=batch_invariant), \
+            TenantSource
+    else:  # a ranked pass is a collective of every rank: rank 0 alone must not cut it short
+        base, stopping, policy, source = ranked.base, threading.Event(), ranked, RankedSource
+    bounds = Bounds.of(base, limits)  # before any tenant: a ranked policy's base goes to its first build
     serving = (TenantServing(engine, run_dir / "adapters", max_loras=max_loras, keep_versions=keep_versions)
                if engine is not None else None)
     service = TenantService(policy, serving, base_model=base_model or str(model_dir), tokenizer_id=str(model_dir),
                             max_rank=max_rank, state_root=run_dir / "states", bounds=bounds,
-                            batch_window_s=batch_window_s, session_timeout_s=session_timeout_s)
+                            batch_window_s=batch_window_s, session_timeout_s=session_timeout_s, source=source)
     service.start()
     try:
         yield service
@@ -66,34 +79,42 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
 
 
 @contextlib.asynccontextmanager
-async def served_tenants(url: str, model_dir: Path, *, api_key: str | None = None, **settings) -> AsyncIterator:
-    """`tenant_service` with its versions served by the vLLM server at `url` (`settings`: its keywords)."""
+async def served_tenants(url: str | Sequence[str], model_dir: Path, *, api_key: str | None = None,
+                         **settings) -> AsyncIterator:
+    """`tenant_service` with its versions served by the vLLM server at `url`, or by the servers at each
+    of several urls (an `EnginePool`); `settings`: its keywords."""
+    from graft.rollout.pool import EnginePool
     from graft.rollout.vllm.client import VllmClient
 
-    async with VllmClient(url, api_key=api_key) as engine, tenant_service(model_dir, engine, **settings) as service:
-        yield service
+    urls = [url] if isinstance(url, str) else list(url)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(VllmClient(u, api_key=api_key)) for u in urls]
+        engine = clients[0] if len(clients) == 1 else EnginePool(clients)
+        async with tenant_service(model_dir, engine, **settings) as service:
+            yield service
 
 
-async def _serve(args: argparse.Namespace, users: Users) -> None:
+async def _serve(args: argparse.Namespace, users: Users, model_dir: Path, ranked=None) -> None:
     import uvicorn
 
-    from graft.models.packaged import base_model_dir
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
     from graft.tenants.api import build_app
 
-    model_dir = base_model_dir(args.model, log=lambda message: print(f"graft: {message}", file=sys.stderr))
     with contextlib.ExitStack() as stack:
-        url, engine_key = args.engine_url, None
-        if url is None:
-            print(f"graft: starting vLLM for {model_dir} (takes ~30-70 s on CPU)", file=sys.stderr, flush=True)
+        urls, engine_key = list(args.engine_url or ()), None
+        if not urls:
+            print(f"graft: starting {args.engines} vLLM server(s) for {model_dir} (each ~30-70 s on CPU)",
+                  file=sys.stderr, flush=True)
             engine_key = os.environ[ENGINE_KEY_ENV] = secrets.token_hex(24)
-            server = stack.enter_context(VllmServer(VllmServerConfig(
-                model=str(model_dir), dtype=args.dtype, max_lora_rank=args.max_rank, max_loras=args.max_loras,
-                log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV)))
-            url = server.url
-        async with served_tenants(url, model_dir, api_key=engine_key, run_dir=args.run_dir, max_loras=args.max_loras,
-                                  max_rank=args.max_rank, keep_versions=args.keep_versions, dtype=args.dtype,
-                                  limits=limits_of(args), batch_invariant=args.batch_invariant) as service:
+            for _ in range(args.engines):
+                urls.append(stack.enter_context(VllmServer(VllmServerConfig(
+                    model=str(model_dir), dtype=args.dtype, max_lora_rank=args.max_rank, max_loras=args.max_loras,
+                    log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV))).url)
+        url = ", ".join(urls)
+        async with served_tenants(urls, model_dir, api_key=engine_key, run_dir=args.run_dir,
+                                  max_loras=args.max_loras, max_rank=args.max_rank, keep_versions=args.keep_versions,
+                                  dtype=args.dtype, limits=limits_of(args), batch_invariant=args.batch_invariant,
+                                  ranked=ranked) as service:
             # A stop waits at most STOP_GRACE_S for open requests: a retrieve_future long poll holds its
             # connection up to 25 s, and a SIGTERM'd service took 24 s to exit behind one (measured).
             config = uvicorn.Config(build_app(service, users), host=args.host, port=args.port, log_level="warning",
@@ -123,12 +144,25 @@ def users_of(args: argparse.Namespace) -> Users:
 
 
 def cmd_tenants_serve(args: argparse.Namespace) -> None:
+    from graft.models.packaged import base_model_dir
+    from graft.tenants.ranks import serve_on_ranks
+
+    def model_dir() -> Path:
+        return base_model_dir(args.model, log=lambda message: print(f"graft: {message}", file=sys.stderr))
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 serves, the others follow
+        serve_on_ranks(args, model_dir, lambda found, ranked: asyncio.run(_serve(args, _users(args), found, ranked)))
+    else:
+        asyncio.run(_serve(args, _users(args), model_dir()))
+
+
+def _users(args: argparse.Namespace) -> Users:
     users = users_of(args)
     if args.host not in LOOPBACK_HOSTS and not args.host.startswith("127."):
         print(f"graft: warning: the Tinker API on {args.host} is reachable from the network: anyone who can reach "
               f"it and holds one of the {len(users.names)} key(s) trains and samples there, and the traffic is "
               "plain HTTP (put TLS in front)", file=sys.stderr, flush=True)
-    asyncio.run(_serve(args, users))
+    return users
 
 
 def add_tenants_command(sub) -> None:
@@ -143,7 +177,12 @@ def add_tenants_command(sub) -> None:
                                                  "(default: TINKER_API_KEY, one user)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     serve.add_argument("--port", type=PORT, default=DEFAULT_PORT)
-    serve.add_argument("--engine-url", help="a running vLLM server of the same base (default: launch one)")
+    serve.add_argument("--engine-url", action="append", help="a running vLLM server of the same base, repeated for "
+                                                            "several (default: launch --engines)")
+    serve.add_argument("--engines", type=COUNT, default=1, help="vLLM servers to launch without --engine-url; "
+                                                              "each tenant's versions on every one")
+    serve.add_argument("--tp", type=COUNT, default=1, help="under torchrun: ranks per tensor-parallel group "
+                                                         "(the rest is FSDP2 data parallelism)")
     serve.add_argument("--max-loras", type=COUNT, default=8, help="the engine's adapter slots, for all tenants")
     serve.add_argument("--max-rank", type=COUNT, default=32, help="the largest LoRA rank a tenant may ask for")
     serve.add_argument("--keep-versions", type=COUNT, default=2, help="versions of each tenant kept served")

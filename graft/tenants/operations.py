@@ -40,11 +40,13 @@ class ModelOperations:
         sampling: publishes tenants' versions for sampling.
         state_root: where users' training states are saved.
         run_on_model: runs a function on the model's thread, after the jobs before it.
+        source: makes the `PolicySource` a publish reads (`TenantSource`; on ranks, graft.tenants.ranks').
     """
 
     def __init__(self, policy: TenantPolicy, sampling: Samplers, state_root: Path,
-                 run_on_model: Callable[[Callable[[], T]], Awaitable[T]]) -> None:
+                 run_on_model: Callable[[Callable[[], T]], Awaitable[T]], source=TenantSource) -> None:
         self.policy = policy
+        self.source = source
         self.sampling = sampling
         self.state_root = state_root
         self.run_on_model = run_on_model
@@ -98,7 +100,7 @@ class ModelOperations:
                 self.policy, model.tenant, state_dir, with_optimizer=op.payload["optimizer"])))
             return {"path": path, "model_id": model.model_id}
         if op.kind == SAVE_FOR_SAMPLER:
-            source = TenantSource(self.policy, model.tenant, self.run_on_model)
+            source = self.source(self.policy, model.tenant, self.run_on_model)
             return await self.sampling.publish(model.owner, source, model.model_id, op.payload)
         raise RequestFailed(f"unknown operation {op.kind!r}", "server")
 

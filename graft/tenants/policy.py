@@ -128,6 +128,16 @@ class DatumResult:
 
 
 @dataclass(frozen=True)
+class TenantState:
+    """A tenant's whole LoRA factors, their gradients (None: none since its last step) and its AdamW
+    state, by PEFT name: what a checkpoint saves, and what a sharded policy's rebuild carries over."""
+
+    params: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    moments: dict[str, dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class OptimStepResult:
     """What `optim_step` did: applied, the gradient norm it saw, and why not when refused."""
 
@@ -209,6 +219,27 @@ class TenantPolicy:
         """`tenant`'s AdamW (its state is what a checkpoint saves, graft.tenants.checkpoint)."""
         self._require(tenant)
         return self._optimizers[tenant]
+
+    def tenant_state(self, tenant: str) -> TenantState:
+        """`tenant`'s adapter, gradients and optimizer state as they are (detached, not copied)."""
+        state = self.optimizer(tenant).state
+        params = self.parameters(tenant)
+        return TenantState({name: p.detach() for name, p in params.items()},
+                           {name: p.grad for name, p in params.items()},
+                           {name: dict(state.get(p, {})) for name, p in params.items()})
+
+    def set_tenant_state(self, tenant: str, state: TenantState) -> None:
+        """Put `state` (whole tensors) into `tenant`: its adapter, gradients, and AdamW state (a
+        parameter without moments starts its AdamW afresh)."""
+        optimizer = self.optimizer(tenant)
+        with torch.no_grad():
+            for name, param in self.parameters(tenant).items():
+                param.copy_(state.params[name])
+                param.grad = state.grads[name]
+                if state.moments[name]:
+                    optimizer.state[param] = {key: v.to(param.device) for key, v in state.moments[name].items()}
+                else:
+                    optimizer.state.pop(param, None)
 
     def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True,
                          config: Mapping[str, float] | None = None) -> list[DatumResult]:

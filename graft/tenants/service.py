@@ -38,6 +38,7 @@ from graft.tenants.parse import Bounds
 from graft.tenants.policy import TenantPolicy, TenantSpec
 from graft.tenants.sampling import Samplers
 from graft.tenants.schedule import Model, Scheduler
+from graft.tenants.source import TenantSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,11 +74,12 @@ class TenantService:
         session_timeout_s: a session not heard from for this long (the SDK sends a heartbeat every
             10 s while its client lives) is finished as if its client had closed it: a client that
             died without closing would otherwise hold its tenants' engine slots for good.
+        source: makes the source a tenant's publish reads (`ModelOperations`).
     """
 
     def __init__(self, policy: TenantPolicy, serving, *, base_model: str, tokenizer_id: str, max_rank: int,
                  state_root: Path, bounds: Bounds, batch_window_s: float = 10.0,
-                 session_timeout_s: float = 300.0) -> None:
+                 session_timeout_s: float = 300.0, source=TenantSource) -> None:
         self.policy = policy
         self.state_root = state_root
         self.base_model = base_model
@@ -90,7 +92,7 @@ class TenantService:
         self.session_timeout_s = session_timeout_s
         self.sampling = Samplers(serving, self.futures, self.limits.engine_per_user)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="graft-tenants-model")
-        self.operations = ModelOperations(policy, self.sampling, state_root, self.run_on_model)
+        self.operations = ModelOperations(policy, self.sampling, state_root, self.run_on_model, source)
         # where users' states live: asked of the service by graft.tenants.rest (and tests)
         self.state_dir, self.saved_state = self.operations.state_dir, self.operations.saved_state
         self.scheduler = Scheduler(policy, self.futures, self.run_on_model, self.operations.run, batch_window_s)

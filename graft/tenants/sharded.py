@@ -43,8 +43,9 @@ from graft.tenants.policy import (
     TenantError,
     TenantPolicy,
     TenantSpec,
+    TenantState,
 )
-from graft.train.dist import Dist, full_tensor
+from graft.train.dist import Dist, full_tensor, shard_like
 from graft.train.parallelize import check_tensor_parallel, parallelize, reshard
 
 
@@ -162,6 +163,32 @@ class ShardedTenantPolicy(TenantPolicy):
     def full_parameters(self, tenant: str) -> dict[str, torch.Tensor]:
         """`tenant`'s whole LoRA factors, as one process holds them (a collective on every rank)."""
         return {name: full_tensor(param.detach()) for name, param in self.parameters(tenant).items()}
+
+    def tenant_state(self, tenant: str) -> TenantState:
+        """`tenant`'s whole factors, gradients and AdamW state, as one process holds them (a collective
+        on every rank; which gradients exist is the same on every rank: FSDP2 gives each tenant's
+        factors a gradient on every rank at each backward, zeros where it had no datums)."""
+        state = super().tenant_state(tenant)
+        return TenantState({name: full_tensor(t).clone() for name, t in state.params.items()},
+                           {name: None if g is None else full_tensor(g).clone() for name, g in state.grads.items()},
+                           {name: {key: full_tensor(v).clone() for key, v in m.items()}
+                            for name, m in state.moments.items()})
+
+    def set_tenant_state(self, tenant: str, state: TenantState) -> None:
+        """Put `state` (whole tensors, the same on every rank: `tenant_state`'s) into `tenant`'s shards,
+        bit for bit (a collective on every rank). AdamW's step count stays whole; its moments are
+        sharded as their parameter."""
+        optimizer = self.optimizer(tenant)
+        with torch.no_grad():
+            for name, param in self.parameters(tenant).items():
+                whole = state.params[name]
+                param.copy_(shard_like(whole.to(self.ctx.device), param))
+                grad = state.grads[name]
+                param.grad = None if grad is None else shard_like(grad.to(self.ctx.device), param)
+                optimizer.state[param] = {key: shard_like(v, param) if v.shape == whole.shape else v
+                                          for key, v in state.moments[name].items()}
+                if not optimizer.state[param]:
+                    del optimizer.state[param]
 
     def _grad_norm(self, tenant: str, params: list[nn.Parameter]) -> tuple[bool, float]:
         """(whether any rank had datums of `tenant` since its last step, the norm of its whole

@@ -278,6 +278,11 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return on_device.cpu()
 
 
+def broadcast_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank (the others pass one of its shape and dtype), on the CPU."""
+    return _broadcast(tensor)
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a possibly FSDP2-sharded (DTensor) one; a collective on DTensors."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
