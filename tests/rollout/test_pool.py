@@ -279,3 +279,24 @@ def test_a_member_failing_as_its_request_is_cancelled_leaves_no_unretrieved_exce
     request = GenerateRequest((1, 2), SamplingParams(n=1))
     reports = unretrieved_task_errors(lambda call: EnginePool([Failing(call)]).generate([request]))
     assert reports == []
+
+
+class _Scoring(FakeEngine):
+    """A FakeEngine that scores prompts (-1 per token), or fails as a server that went away."""
+
+    async def prompt_logprobs(self, prompt, adapter=None):
+        if not self.healthy:
+            raise EngineUnavailableError("connection refused", address=self.address)
+        return [None, *[-1.0] * (len(prompt) - 1)]
+
+
+def test_prompt_logprobs_come_from_a_live_member_and_a_dead_one_is_dropped():
+    down, up = _Scoring("a"), _Scoring("b")
+    down.healthy = False
+    pool = EnginePool([down, up])
+
+    async def run():
+        return [await pool.prompt_logprobs([1, 2, 3], adapter="t-v1") for _ in range(3)]
+
+    assert asyncio.run(run()) == [[None, -1.0, -1.0]] * 3
+    assert list(pool.dropped) == ["a"] and pool.engines == [up]
