@@ -70,14 +70,16 @@ def _send(op: str, header: dict, tensors: Sequence[torch.Tensor] = ()) -> None:
     broadcast_ints([len(data)], 1)
     broadcast_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     for tensor in tensors:
-        broadcast_tensor(tensor)
+        if tensor.numel():
+            broadcast_tensor(tensor)
 
 
 def _receive() -> tuple[str, dict, list[torch.Tensor]]:
     """Ranks > 0: rank 0's next command (its op, header and tensors)."""
     size = broadcast_ints(None, 1)[0]
     header = json.loads(bytes(broadcast_tensor(torch.zeros(size, dtype=torch.uint8)).tolist()))
-    tensors = [broadcast_tensor(torch.zeros(n, dtype=_DTYPES[kind])) for kind, n in header.pop("tensors")]
+    tensors = [broadcast_tensor(torch.zeros(n, dtype=_DTYPES[kind])) if n else torch.zeros(0, dtype=_DTYPES[kind])
+               for kind, n in header.pop("tensors")]
     return header.pop("op"), header, tensors
 
 
@@ -137,6 +139,13 @@ class RankedTenantPolicy:
 
     def forward_backward(self, datums: Sequence[Datum], loss: str, *, backward: bool = True,
                          config: Mapping[str, float] | None = None) -> list[DatumResult]:
+        """`TenantPolicy.forward_backward` over every rank's share (module docstring).
+
+        Raises:
+            TenantError: refused, with the reason, before any command (an empty share on some rank
+                would only learn that another's was refused).
+        """
+        self._sharded()._check(datums, loss, config)
         keys = [sorted(datum.inputs) for datum in datums]
         lengths = torch.tensor([len(datum.tokens) for datum in datums], dtype=torch.long)
         tokens = torch.tensor([t for datum in datums for t in datum.tokens], dtype=torch.long)
