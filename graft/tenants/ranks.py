@@ -42,6 +42,7 @@ import dataclasses
 import gc
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ class RankedTenantPolicy:
         self.config = self.base.config
         self.specs: list[TenantSpec] = []
         self.sharded: ShardedTenantPolicy | None = None
-        self.rebuilds = 0
+        self.rebuild_seconds: list[float] = []  # each rebuild's time on this rank
 
     @property
     def tenants(self) -> dict[str, TenantSpec]:
@@ -218,6 +219,7 @@ class RankedTenantPolicy:
 
     def _rebuild(self, specs: list[TenantSpec]) -> None:
         """A new sharded policy of `specs`, the kept tenants' state carried over (module docstring)."""
+        start_s = time.perf_counter()
         old, kept, pending = self.sharded, {}, set()
         if old is not None:
             kept = {spec.name: old.tenant_state(spec.name) for spec in specs if spec.name in old.tenants}
@@ -232,7 +234,7 @@ class RankedTenantPolicy:
             for name, state in kept.items():
                 self.sharded.set_tenant_state(name, state)
             self.sharded._pending = pending
-        self.rebuilds += 1
+        self.rebuild_seconds.append(time.perf_counter() - start_s)
 
     def _forward_backward(self, header: dict, datums: Sequence[Datum]) -> list[DatumResult]:
         """This data-parallel rank's share of `datums` on its shard; every datum's results on every rank."""
@@ -309,6 +311,10 @@ class RankedSource(TenantSource):
     forwards run on every rank (module docstring: no swap)."""
 
     def _live(self) -> dict[str, torch.Tensor]:
+        # On the model thread, which rebuilds run on too: the model that `adapter` reads its config and
+        # dtype from is the one these factors come from (another tenant's create may be rebuilding it
+        # while this source is made on the event loop).
+        self.model = self._policy.model
         return self._policy.full_parameters(self.tenant)
 
     def _as_published(self, read):
