@@ -27,6 +27,7 @@ from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
 from graft.config.arguments import COUNT, PORT
+from graft.tenants.policy import PASS_TOKENS
 from graft.tenants.users import Limits, Users, check_api_key
 
 DEFAULT_PORT = 8210
@@ -39,7 +40,7 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
                          keep_versions: int = 2, dtype: str = "float32", base_model: str | None = None,
                          limits: Limits = Limits(), batch_window_s: float = 10.0,
                          session_timeout_s: float = 300.0, batch_invariant: bool = False,
-                         ranked=None) -> AsyncIterator:
+                         pass_tokens: int = PASS_TOKENS, ranked=None) -> AsyncIterator:
     """A started `TenantService` on the base at `model_dir`, its versions served by `engine` (a
     RolloutEngine serving that base with LoRA slots `max_loras`, ranks up to `max_rank`; None: training
     only, sampling refused). `ranked`: rank 0's `RankedTenantPolicy` (graft.tenants.ranks), which
@@ -60,8 +61,8 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
         # ends a pass at its next layer instead of waiting for it (a SIGTERM'd service on SmolLM2 sat in
         # close() over 120 s behind one pass of 8 x 500 tokens).
         stopping = stop_points(base)
-        policy, source = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0, batch_invariant=batch_invariant), \
-            TenantSource
+        policy, source = TenantPolicy(base, pad_id=tokenizer.pad_token_id or 0, pass_tokens=pass_tokens,
+                                      batch_invariant=batch_invariant), TenantSource
     else:  # a ranked pass is a collective of every rank: rank 0 alone must not cut it short
         base, stopping, policy, source = ranked.base, threading.Event(), ranked, RankedSource
     bounds = Bounds.of(base, limits)  # before any tenant: a ranked policy's base goes to its first build
@@ -114,7 +115,7 @@ async def _serve(args: argparse.Namespace, users: Users, model_dir: Path, ranked
         async with served_tenants(urls, model_dir, api_key=engine_key, run_dir=args.run_dir,
                                   max_loras=args.max_loras, max_rank=args.max_rank, keep_versions=args.keep_versions,
                                   dtype=args.dtype, limits=limits_of(args), batch_invariant=args.batch_invariant,
-                                  ranked=ranked) as service:
+                                  pass_tokens=args.pass_tokens, ranked=ranked) as service:
             # A stop waits at most STOP_GRACE_S for open requests: a retrieve_future long poll holds its
             # connection up to 25 s, and a SIGTERM'd service took 24 s to exit behind one (measured).
             config = uvicorn.Config(build_app(service, users), host=args.host, port=args.port, log_level="warning",
@@ -201,6 +202,9 @@ def add_tenants_command(sub) -> None:
                        help="a user's requests in flight (more wait: 429)")
     serve.add_argument("--max-engine-requests", type=COUNT, default=limits.engine_per_user,
                        help="a user's sample requests at the engine at once (more wait their turn)")
+    serve.add_argument("--pass-tokens", type=COUNT, default=PASS_TOKENS,
+                       help="padded tokens of one forward pass (on each rank), more go in further passes: what "
+                            "bounds a pass's activations (SmolLM2: ~7 GB at the default)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="a tenant trained in shared passes ends bit-equal to it alone (slower: docs/tenants.md)")
     serve.set_defaults(func=cmd_tenants_serve)

@@ -52,7 +52,16 @@ import torch
 from graft.lora.routing import routed
 from graft.models.loading import load_model
 from graft.sync.source import probe_logits_finite
-from graft.tenants.policy import AdamParams, Datum, DatumResult, OptimStepResult, TenantError, TenantSpec, TenantState
+from graft.tenants.policy import (
+    PASS_TOKENS,
+    AdamParams,
+    Datum,
+    DatumResult,
+    OptimStepResult,
+    TenantError,
+    TenantSpec,
+    TenantState,
+)
 from graft.tenants.sharded import ShardedTenantPolicy
 from graft.tenants.source import TenantSource
 from graft.train.dist import Dist, broadcast_ints, broadcast_tensor
@@ -93,11 +102,11 @@ class RankedTenantPolicy:
     """
 
     def __init__(self, model_dir: Path, ctx: Dist, *, dtype: str = "float32", pad_id: int = 0,
-                 batch_invariant: bool = False) -> None:
+                 pass_tokens: int = PASS_TOKENS, batch_invariant: bool = False) -> None:
         if batch_invariant and ctx.tp > 1:
             raise ValueError(f"batch_invariant runs with data parallelism only, not tp={ctx.tp}")
         self.ctx, self.model_dir, self.dtype = ctx, model_dir, dtype
-        self.pad_id, self.batch_invariant = pad_id, batch_invariant
+        self.pad_id, self.pass_tokens, self.batch_invariant = pad_id, pass_tokens, batch_invariant
         self.base = load_model(model_dir, dtype)  # the next build's; its config gives the service's bounds
         self.config = self.base.config
         self.specs: list[TenantSpec] = []
@@ -231,6 +240,7 @@ class RankedTenantPolicy:
             base, self.base = self.base if self.base is not None else load_model(self.model_dir, self.dtype), None
             self.sharded = ShardedTenantPolicy(base, specs, self.ctx, pad_id=self.pad_id,
                                                batch_invariant=self.batch_invariant)
+            self.sharded.pass_tokens = self.pass_tokens
             for name, state in kept.items():
                 self.sharded.set_tenant_state(name, state)
             self.sharded._pending = pending
@@ -341,7 +351,7 @@ def serve_on_ranks(args, model_dir: Callable[[], Path], serve: Callable[[Path, R
         ctx.barrier()
         found = found or model_dir()
         policy = RankedTenantPolicy(found, ctx, dtype=args.dtype, pad_id=load_tokenizer(found).pad_token_id or 0,
-                                    batch_invariant=args.batch_invariant)
+                                    pass_tokens=args.pass_tokens, batch_invariant=args.batch_invariant)
         if not ctx.is_main:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             policy.follow()
