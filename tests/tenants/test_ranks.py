@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from graft.models.loading import load_model
 from graft.tenants.policy import Datum, TenantError, TenantPolicy, TenantState
-from graft.tenants.ranks import RankedTenantPolicy
+from graft.tenants.ranks import RankedSource, RankedTenantPolicy
 from graft.train.dist import mesh_dist
 from tests.helpers import assert_adam_weights_close
 from tests.spawn import spawn_ranks
@@ -63,6 +63,19 @@ def _copied(state: TenantState) -> TenantState:
                        {k: {m: v.clone() for m, v in moments.items()} for k, moments in state.moments.items()})
 
 
+def _published(policy: RankedTenantPolicy, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether what a publish of bob reads (`RankedSource`: his factors gathered, the model taken with
+    them, as a source made during another tenant's rebuild must) is his adapter, and its probe finite."""
+    bob = SPECS[1].name
+    source = RankedSource(policy, bob, run=None)
+    source.model = None  # as when it was made on the event loop while the model thread rebuilt
+    tensors = source.lora_tensors()
+    adapter = source.adapter()
+    return (source.model is policy.model and tensors.keys() == {k for k in weights if f".{bob}." in k}
+            and all(torch.equal(t, weights[k]) for k, t in tensors.items())
+            and adapter.config["r"] == SPECS[1].rank and source.probe_logits_finite(PROBE[0]))
+
+
 def _rank_main(rank: int, model_dir, out_dir) -> None:
     init_gloo(rank, WORLD, out_dir / "rendezvous")
     try:
@@ -72,6 +85,7 @@ def _rank_main(rank: int, model_dir, out_dir) -> None:
             return
         out, weights = _script(policy)
         out["probe"] = policy.probe_logits_finite(SPECS[1].name, PROBE[0])
+        out["published"] = _published(policy, weights)
         out["rebuild_seconds"] = policy.rebuild_seconds
         policy.release_followers()
         (out_dir / "out.json").write_text(json.dumps(out))
@@ -89,7 +103,7 @@ def test_a_ranked_policy_answers_as_one_process_while_tenants_come_and_go(base_d
         one, weights = _script(TenantPolicy(load_model(base_dir)))
     finally:
         torch.set_num_threads(threads)
-    assert len(ranked["rebuild_seconds"]) == 3 and ranked["probe"] is True
+    assert len(ranked["rebuild_seconds"]) == 3 and ranked["probe"] is True and ranked["published"] is True
     for mine, theirs in zip(ranked["losses"], one["losses"], strict=True):
         assert mine == pytest.approx(theirs, rel=1e-5)
     for mine, theirs in zip(ranked["steps"], one["steps"], strict=True):
