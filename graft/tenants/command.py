@@ -204,7 +204,7 @@ def add_tenants_command(sub) -> None:
                        help="a user's sample requests at the engine at once (more wait their turn)")
     serve.add_argument("--pass-tokens", type=COUNT, default=PASS_TOKENS,
                        help="padded tokens of one forward pass (on each rank), more go in further passes: what "
-                            "bounds a pass's activations (SmolLM2: ~7 GB at the default)")
+                            "bounds a pass's activations (SmolLM2 on 2 ranks: 5 GB a rank at the default)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="a tenant trained in shared passes ends bit-equal to it alone (slower: docs/tenants.md)")
     serve.set_defaults(func=cmd_tenants_serve)
