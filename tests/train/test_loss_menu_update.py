@@ -16,8 +16,7 @@ from graft.rl.losses import LossOptions
 from graft.train.dist import Dist
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
-from tests.spawn import spawn_ranks
-from tests.train.test_parallelize import _COMPARED, WORLD, _batch, _lr, _rank_main, _updates
+from tests.train.test_parallelize import _COMPARED, WORLD, _batch, _lr, _updates, run_cases_on_ranks
 
 # Two optimizer steps per batch (the second mini-batch's ratio is off 1: the clip and the old policy matter) and
 # the engine's log-probs (-1.0 per token in the test batches) far from the trainer's: every
@@ -65,27 +64,39 @@ def test_micro_batches_update_like_one_batch(tiny_model_dirs, overrides):
     assert _some_masked(whole[0]) == any("mask" in o for o in overrides)
 
 
-@pytest.mark.parametrize("n_prompts, group, overrides, rel", [
-    (3, 3, ["train.loss_agg=seq-mean-token-sum"], 1e-5),
-    (3, 3, ["train.loss_agg=seq-mean-token-sum-norm", "train.micro_batch_size=2"], 1e-5),
-    (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", SEQ_CAP], 1e-5),
+# name -> (n_prompts, group, overrides, rel): 2 FSDP2 ranks against one process.
+TWO_RANK_CASES = {
+    "token-sum": (3, 3, ["train.loss_agg=seq-mean-token-sum"], 1e-5),
+    "token-sum-norm": (3, 3, ["train.loss_agg=seq-mean-token-sum-norm", "train.micro_batch_size=2"], 1e-5),
+    "menu": (2, 3, ["train.loss_agg=seq-mean-token-sum-norm", *_MENU, "train.mini_batches=2", SEQ_CAP], 1e-5),
     # The KL sums reach the advantages from log-probs computed in other layouts per rank (prompts
     # shared by other rows): a group whose rewards tie has a std made of KL sums alone, and dividing
     # by it moved the loss 3e-5 apart (1.5e-6 of 0.051); a layout bug moves it by ~1e-2.
-    (3, 3, [*_FILTERS, "train.mini_batches=2", "train.lr=1e-3"], 1e-4),
-])
-def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides, rel):
+    "filters": (3, 3, [*_FILTERS, "train.mini_batches=2", "train.lr=1e-3"], 1e-4),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dirs, tmp_path_factory):
+    """Every TWO_RANK_CASES case on 2 ranks, in one spawn; each case's results in its own directory."""
+    root, model_dir = tmp_path_factory.mktemp("two-ranks"), tiny_model_dirs["qwen2"]
+    run_cases_on_ranks(WORLD, None, [(model_dir, root / name, n, g, o) for name, (n, g, o, _) in TWO_RANK_CASES.items()],
+                       root)
+    return root
+
+
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
+def test_two_ranks_update_like_one(tiny_model_dirs, two_rank_runs, name):
     """FSDP2 over 2 CPU ranks: the losses, metrics and LoRA weights of one process (<= 1e-5)."""
-    model_dir = tiny_model_dirs["qwen2"]
-    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, overrides), WORLD)
+    n_prompts, group, overrides, rel = TWO_RANK_CASES[name]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: same kernels, same rounding
     try:
-        single = _updates(model_dir, Dist(), n_prompts, group, overrides)
+        single = _updates(tiny_model_dirs["qwen2"], Dist(), n_prompts, group, overrides)
     finally:
         torch.set_num_threads(threads)
-    sharded = (json.loads((tmp_path / "metrics.json").read_text()),
-               safetensors.torch.load_file(tmp_path / "lora.safetensors"))
+    sharded = (json.loads((two_rank_runs / name / "metrics.json").read_text()),
+               safetensors.torch.load_file(two_rank_runs / name / "lora.safetensors"))
     assert all(m["grad_norm"] > 0 for m in single[0])
     _assert_close_updates(single, sharded, _lr(overrides), rel)
     assert _some_masked(single[0]) == (SEQ_CAP in overrides)

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
-from graft.train.dist import Dist, broadcast_batch, full_tensor
+from graft.train.dist import Dist, broadcast_batch, full_tensor, mesh_dist
 from graft.train.memory_budget import ActivationMemory
 from graft.train.parallelize import parallelize
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
 from tests.spawn import spawn_ranks
+from tests.train.test_dist import init_gloo
 
 WORLD = 2
 UPDATES = 3
@@ -63,50 +64,78 @@ def _updates(model_dir, ctx: Dist, n_prompts: int, group: int, overrides: list[s
     return metrics, weights
 
 
-def _rank_main(rank: int, model_dir, out_dir, init_file, n_prompts, group, overrides) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _cases_rank(rank: int, world: int, tp: int | None, init_file, cases: list[tuple]) -> None:
+    """`_updates` of every case `(model_dir, out_dir, n_prompts, group, overrides)` on this rank, in
+    one process group; rank 0 writes each case's metrics and LoRA weights to its `out_dir`. `tp`
+    None: a plain `Dist` (FSDP2 makes its own mesh); else the (dp, tp) mesh of `mesh_dist(tp)`."""
+    init_gloo(rank, world, init_file)
     try:
-        metrics, weights = _updates(model_dir, Dist(rank, WORLD), n_prompts, group, overrides)
-        if rank == 0:
-            (out_dir / "metrics.json").write_text(json.dumps(metrics))
-            safetensors.torch.save_file(weights, out_dir / "lora.safetensors")
+        for model_dir, out_dir, n_prompts, group, overrides in cases:
+            ctx = Dist(rank, world) if tp is None else mesh_dist(tp)
+            metrics, weights = _updates(model_dir, ctx, n_prompts, group, overrides)
+            if rank == 0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "metrics.json").write_text(json.dumps(metrics))
+                safetensors.torch.save_file(weights, out_dir / "lora.safetensors")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("n_prompts, group, overrides", [
-    (3, 3, []),  # 9 ragged rows, split over the ranks by tokens
-    (1, 1, []),  # one row: rank 1 has nothing, yet takes part and the grad norm is the whole batch's
-    (4, 2, ["train.mini_batches=2", "train.epochs=2", "train.loss_agg=seq-mean-token-mean", "train.tis_cap=2.0",
-            "train.micro_batch_size=1"]),
+def run_cases_on_ranks(world: int, tp: int | None, cases: list[tuple], root) -> None:
+    """Every case (`_cases_rank`) on ONE spawn of `world` ranks: a spawn per case paid 5-10 s of
+    start-up (interpreters importing torch and transformers, a process group) for 5-20 s of updates."""
+    root.mkdir(parents=True, exist_ok=True)
+    spawn_ranks(_cases_rank, (world, tp, root / "rendezvous", cases), world)
+
+
+# name -> (n_prompts, group, overrides): 2 FSDP2 ranks and one process update with the same overrides.
+LIKE_ONE = {
+    "ragged-rows": (3, 3, []),  # 9 ragged rows, split over the ranks by tokens
+    "one-row": (1, 1, []),  # one row: rank 1 has nothing, yet takes part and the grad norm is the whole batch's
+    "mini-batches-epochs": (4, 2, ["train.mini_batches=2", "train.epochs=2", "train.loss_agg=seq-mean-token-mean",
+                                   "train.tis_cap=2.0", "train.micro_batch_size=1"]),
     # a token budget of 12 padded tokens: ranks end up with different micro-batch counts (equalized)
-    (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3", "train.pack_sequences=false"]),
-    (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
-    (3, 2, ["train.activation_checkpointing=false", "train.max_tokens_per_micro_batch=16"]),
-    (3, 3, ["train.compile=true"]),  # compiled decoder layers as FSDP2's units
-])
-def test_two_ranks_update_like_one(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
-    _assert_two_ranks_like_one(tiny_model_dirs["qwen2"], tmp_path, n_prompts, group, overrides, overrides)
+    "token-budget": (3, 3, ["train.max_tokens_per_micro_batch=12", "train.mini_batches=3",
+                            "train.pack_sequences=false"]),
+    "token-budget-one-row": (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
+    "no-checkpointing": (3, 2, ["train.activation_checkpointing=false", "train.max_tokens_per_micro_batch=16"]),
+    "compiled": (3, 3, ["train.compile=true"]),  # compiled decoder layers as FSDP2's units
+}
+# name -> (n_prompts, group, overrides): 2 ranks of packed micro-batches (rows split by tokens)
+# against one padded process.
+PACKED = {
+    "packed-kl-entropy-tis": (3, 3, ["train.tis_cap=2.0", "train.mini_batches=3"]),
+    "packed-one-row": (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
+    "packed-token-budget": (4, 2, ["train.max_tokens_per_micro_batch=12", "train.loss_agg=seq-mean-token-mean",
+                                   "train.epochs=2"]),
+}
 
 
-@pytest.mark.parametrize("n_prompts, group, overrides", [
-    (3, 3, ["train.tis_cap=2.0", "train.mini_batches=3"]),  # 9 ragged rows split by tokens, KL, entropy, TIS
-    (1, 1, ["train.max_tokens_per_micro_batch=4"]),  # rank 1 has no rows: stand-ins only
-    (4, 2, ["train.max_tokens_per_micro_batch=12", "train.loss_agg=seq-mean-token-mean", "train.epochs=2"]),
-])
-def test_two_ranks_packed_update_like_one_padded(tiny_model_dirs, tmp_path, n_prompts, group, overrides):
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dirs, tmp_path_factory):
+    """Every case of LIKE_ONE and PACKED updated on 2 ranks, in one spawn; each case's results in its
+    own directory of the returned one."""
+    root, model_dir = tmp_path_factory.mktemp("two-ranks"), tiny_model_dirs["qwen2"]
+    cases = [(model_dir, root / name, n, g, o) for name, (n, g, o) in LIKE_ONE.items()]
+    cases += [(model_dir, root / name, n, g, [*o, "train.pack_sequences=true"]) for name, (n, g, o) in PACKED.items()]
+    run_cases_on_ranks(WORLD, None, cases, root)
+    return root
+
+
+@pytest.mark.parametrize("name", LIKE_ONE)
+def test_two_ranks_update_like_one(tiny_model_dirs, two_rank_runs, name):
+    n_prompts, group, overrides = LIKE_ONE[name]
+    assert_like_one_process(tiny_model_dirs["qwen2"], two_rank_runs / name, n_prompts, group, overrides)
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_two_ranks_packed_update_like_one_padded(tiny_model_dirs, two_rank_runs, name):
     """2 FSDP2 ranks of packed micro-batches (rows split by tokens) give one padded process's
     metrics and LoRA weights (<= 1e-5); with a token budget the ranks' micro-batch counts differ
     (equalized with stand-ins)."""
-    _assert_two_ranks_like_one(tiny_model_dirs["qwen2"], tmp_path, n_prompts, group,
-                               [*overrides, "train.pack_sequences=true"],
-                               [*overrides, "train.pack_sequences=false", "train.max_tokens_per_micro_batch="])
-
-
-def _assert_two_ranks_like_one(model_dir, tmp_path, n_prompts, group, sharded_overrides, single_overrides):
-    spawn_ranks(_rank_main, (model_dir, tmp_path, tmp_path / "rendezvous", n_prompts, group, sharded_overrides), WORLD)
-    assert_like_one_process(model_dir, tmp_path, n_prompts, group, single_overrides)
+    n_prompts, group, overrides = PACKED[name]
+    assert_like_one_process(tiny_model_dirs["qwen2"], two_rank_runs / name, n_prompts, group,
+                            [*overrides, "train.pack_sequences=false", "train.max_tokens_per_micro_batch="])
 
 
 def assert_like_one_process(model_dir, out_dir, n_prompts, group, overrides) -> None:

@@ -28,7 +28,13 @@ from tests.helpers import assert_adam_weights_close
 from tests.spawn import spawn_ranks
 from tests.train.test_dist import init_gloo
 from tests.train.test_mixed_precision import _update_recording_dtypes
-from tests.train.test_parallelize import _COMPARED, _batch, _graft_train, _updates, assert_like_one_process
+from tests.train.test_parallelize import (
+    _COMPARED,
+    _batch,
+    _graft_train,
+    assert_like_one_process,
+    run_cases_on_ranks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +44,6 @@ def tp_model_dirs(tmp_path_factory) -> dict[str, object]:
     return {arch: build_tiny_model(root / arch, arch=arch, hidden=128, layers=2, seed=0) for arch in ("qwen2", "llama")}
 
 
-def _rank_main(rank: int, world: int, tp: int, model_dir, out_dir, n_prompts, group, overrides) -> None:
-    init_gloo(rank, world, out_dir / "rendezvous")
-    try:
-        metrics, weights = _updates(model_dir, mesh_dist(tp), n_prompts, group, overrides)
-        if rank == 0:
-            (out_dir / "metrics.json").write_text(json.dumps(metrics))
-            safetensors.torch.save_file(weights, out_dir / "lora.safetensors")
-    finally:
-        dist.destroy_process_group()
-
-
-def _assert_mesh_like_one(model_dir, tmp_path, world, tp, n_prompts, group, overrides) -> None:
-    spawn_ranks(_rank_main, (world, tp, model_dir, tmp_path, n_prompts, group, overrides), world)
-    assert_like_one_process(model_dir, tmp_path, n_prompts, group, overrides)
-
-
 # Adam lr 1e-4: TP sums each row-wise layer's partial products in another order, so gradients agree
 # only to ~1e-6 of their largest element (measured: 9.4e-7), and Adam divides by sqrt(v): an element
 # whose gradient is near zero moved 3e-5 apart at lr 1e-3 and 4e-5 at 1e-2 (one of ~3000). A real
@@ -61,23 +51,43 @@ def _assert_mesh_like_one(model_dir, tmp_path, world, tp, n_prompts, group, over
 _MENU = ["train.mini_batches=2", "train.tis_cap=2.0", "train.max_tokens_per_micro_batch=16", "train.lr=1e-4"]
 
 
-@pytest.mark.parametrize("arch, n_prompts, group, overrides", [
-    ("qwen2", 4, 2, _MENU),
-    ("llama", 3, 3, [*_MENU, "train.pack_sequences=false", "train.activation_checkpointing=false",
-                     "train.kl_in=reward"]),
-])
-def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, tmp_path, arch, n_prompts, group, overrides):
-    _assert_mesh_like_one(tp_model_dirs[arch], tmp_path, 2, 2, n_prompts, group, overrides)
-
-
-@pytest.mark.parametrize("n_prompts, group, overrides", [
-    (4, 2, _MENU),
-    (3, 3, [*_MENU, "train.kl_in=reward"]),  # each row's KL scored by one dp rank, summed over dp only
+# name -> (arch, n_prompts, group, overrides) on 2 ranks of tp=2.
+TP2 = {
+    "qwen2-menu": ("qwen2", 4, 2, _MENU),
+    "llama-padded-kl-in-reward": ("llama", 3, 3, [*_MENU, "train.pack_sequences=false",
+                                                  "train.activation_checkpointing=false", "train.kl_in=reward"]),
+}
+# name -> (n_prompts, group, overrides) on 4 ranks, dp=2 x tp=2 (qwen2).
+DP2_TP2 = {
+    "menu": (4, 2, _MENU),
+    "kl-in-reward": (3, 3, [*_MENU, "train.kl_in=reward"]),  # each row's KL scored by one dp rank, summed over dp only
     # one row: dp rank 1 (ranks 2 and 3) has none, runs stand-ins and still joins every collective
-    (1, 1, ["train.max_tokens_per_micro_batch=4", "train.tis_cap=2.0", "train.lr=1e-4"]),
-])
-def test_dp2_tp2_on_four_ranks_updates_like_one(tp_model_dirs, tmp_path, n_prompts, group, overrides):
-    _assert_mesh_like_one(tp_model_dirs["qwen2"], tmp_path, 4, 2, n_prompts, group, overrides)
+    "one-row": (1, 1, ["train.max_tokens_per_micro_batch=4", "train.tis_cap=2.0", "train.lr=1e-4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tp_model_dirs, tmp_path_factory):
+    """TP2's cases on one spawn of 2 ranks and DP2_TP2's on one spawn of 4; each case's results in
+    its own directory of the returned one."""
+    root = tmp_path_factory.mktemp("meshes")
+    run_cases_on_ranks(2, 2, [(tp_model_dirs[arch], root / name, n, g, o) for name, (arch, n, g, o) in TP2.items()],
+                       root / "tp2")
+    run_cases_on_ranks(4, 2, [(tp_model_dirs["qwen2"], root / name, n, g, o) for name, (n, g, o) in DP2_TP2.items()],
+                       root / "dp2-tp2")
+    return root
+
+
+@pytest.mark.parametrize("name", TP2)
+def test_tp2_on_two_ranks_updates_like_one(tp_model_dirs, mesh_runs, name):
+    arch, n_prompts, group, overrides = TP2[name]
+    assert_like_one_process(tp_model_dirs[arch], mesh_runs / name, n_prompts, group, overrides)
+
+
+@pytest.mark.parametrize("name", DP2_TP2)
+def test_dp2_tp2_on_four_ranks_updates_like_one(tp_model_dirs, mesh_runs, name):
+    n_prompts, group, overrides = DP2_TP2[name]
+    assert_like_one_process(tp_model_dirs["qwen2"], mesh_runs / name, n_prompts, group, overrides)
 
 
 def _bf16_rank(rank: int, model_dir, out_dir) -> None:
