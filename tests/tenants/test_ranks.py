@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from graft.models.loading import load_model
+from graft.models.tiny import build_tiny_model
 from graft.tenants.policy import Datum, TenantError, TenantPolicy, TenantState
 from graft.tenants.ranks import RankedSource, RankedTenantPolicy
 from graft.train.dist import mesh_dist
@@ -76,10 +77,10 @@ def _published(policy: RankedTenantPolicy, weights: dict[str, torch.Tensor]) -> 
             and adapter.config["r"] == SPECS[1].rank and source.probe_logits_finite(PROBE[0]))
 
 
-def _rank_main(rank: int, model_dir, out_dir) -> None:
+def _rank_main(rank: int, model_dir, out_dir, tp: int) -> None:
     init_gloo(rank, WORLD, out_dir / "rendezvous")
     try:
-        policy = RankedTenantPolicy(model_dir, mesh_dist(1))
+        policy = RankedTenantPolicy(model_dir, mesh_dist(tp))
         if rank > 0:
             policy.follow()
             return
@@ -94,8 +95,17 @@ def _rank_main(rank: int, model_dir, out_dir) -> None:
         dist.destroy_process_group()
 
 
-def test_a_ranked_policy_answers_as_one_process_while_tenants_come_and_go(base_dir, tmp_path):
-    spawn_ranks(_rank_main, (base_dir, tmp_path), WORLD)
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory):
+    """A tiny fp32 qwen2 that TP can split by 2 (hidden 128: 4 heads, 2 KV heads), 2 layers."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tp") / "qwen2", hidden=128, layers=2, seed=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_ranked_policy_answers_as_one_process_while_tenants_come_and_go(base_dir, tp_model_dir, tmp_path, tp):
+    """FSDP2 over 2 ranks (tp 1: each its share of the datums), or tensor parallel (tp 2: both the same)."""
+    base_dir = tp_model_dir if tp > 1 else base_dir
+    spawn_ranks(_rank_main, (base_dir, tmp_path, tp), WORLD)
     ranked = json.loads((tmp_path / "out.json").read_text())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels
