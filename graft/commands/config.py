@@ -19,7 +19,7 @@ def add_command(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     from graft.config import config_to_yaml, load_config, save_config
     from graft.tasks.envs import resolve_env
-    from graft.tasks.registry import check_local_model_prompts
+    from graft.tasks.registry import check_local_model_prompts, load_task_data
     from graft.tasks.reward_loading import load_eval_scorer, load_scorer
 
     config = load_config(args.config, args.override)
@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> None:
     else:
         load_scorer(config.data)
         load_eval_scorer(config.data)
+    if config.data.task is not None:  # a built-in task's settings (data.task_options) are checked by building it
+        load_task_data(config.data)
     check_local_model_prompts(config)
     if args.save:
         save_config(config, args.save)

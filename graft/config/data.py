@@ -60,6 +60,10 @@ class RewardSpec(Section):
 
 class DataConfig(Section):
     task: str | None = Field("arithmetic", description="Built-in task name; null when training on data.path.")
+    task_options: dict[str, Any] = Field(
+        default_factory=dict, description="Settings of the built-in task (data.task), by the names its function "
+        "takes, e.g. {max_operand: 9} for one-digit arithmetic (a base model that cannot add two-digit numbers "
+        "still learns); empty = the task's defaults. An unknown name is an error that lists the known ones.")
     path: str | None = Field(
         None, description="Training records: a JSONL file, a Parquet file (.parquet) or a directory written by "
         "Hugging Face datasets' save_to_disk (one split; a DatasetDict's splits are its subdirectories); "
@@ -167,6 +171,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "DataConfig":
+        if self.task_options and self.task is None:
+            raise ConfigError("data.task_options set the built-in task's settings, and data.task is null: set "
+                              "data.task_options to {} to train on data.path", keys=("data.task", "data.task_options"))
         if self.task is not None and self.path is not None:
             raise ConfigError(
                 f"data.task ({self.task!r}) and data.path ({self.path!r}) are both set: "

@@ -5,6 +5,7 @@ in its own module returning (train, held-out) examples, and a line here. `load_t
 run its (train, held-out) examples: a built-in task looked up by name, or data files.
 """
 
+import inspect
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +38,26 @@ def _held_out_split(examples: list[Example]) -> tuple[list[Example], list[Exampl
     return train, held_out
 
 
+def _built_in_task(name: str, options: dict) -> tuple[list[Example], list[Example]]:
+    """TASKS[name](**options), its options checked by name first: a typo would otherwise surface as
+    Python's "unexpected keyword argument" deep in a run's start."""
+    if name not in TASKS:
+        raise ValueError(f"unknown data.task {name!r}; known tasks: {sorted(TASKS)}")
+    known = list(inspect.signature(TASKS[name]).parameters)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"data.task_options {unknown} are not settings of the task {name!r}; its settings: {known}")
+    try:
+        return TASKS[name](**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"data.task_options {options} for the task {name!r}: {e}") from None
+
+
 def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example]]:
     """The (train, held-out eval) examples a run uses.
 
-    `data.task` names a built-in task in `TASKS`, built with its defaults. Otherwise `data.path` is
+    `data.task` names a built-in task in `TASKS`, built with `data.task_options` (its defaults where
+    empty). Otherwise `data.path` is
     read (fields mapped by `data.prompt_key` and `data.answer_key`); the eval set is
     `data.eval_path` when given, else a deterministic 10% of `data.path`. `data.system_prompt`, when
     set, goes in front of every prompt without a system message of its own.
@@ -49,9 +66,7 @@ def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example
         ValueError: For an unknown task name (listing the known ones) or a malformed data file.
     """
     if data_config.task is not None:
-        if data_config.task not in TASKS:
-            raise ValueError(f"unknown data.task {data_config.task!r}; known tasks: {sorted(TASKS)}")
-        train, held_out = TASKS[data_config.task]()
+        train, held_out = _built_in_task(data_config.task, data_config.task_options)
     else:
         assert data_config.path is not None  # DataConfig guarantees exactly one source
         keys = {"prompt_key": data_config.prompt_key, "answer_key": data_config.answer_key}

@@ -134,6 +134,19 @@ def test_load_task_data_unknown_task_lists_known():
         load_task_data(DataConfig(task="nope"))
 
 
+def test_task_options_set_the_built_in_tasks_settings_and_a_wrong_one_is_named():
+    train, held_out = load_task_data(DataConfig(task="arithmetic", task_options={"max_operand": 9, "n_train": 60, "n_eval": 20}))
+    assert (train, held_out) == arithmetic_task(max_operand=9, n_train=60, n_eval=20)
+    assert max(max(ex.metadata["a"], ex.metadata["b"]) for ex in train + held_out) == 9
+    with pytest.raises(ValueError, match=r"data.task_options \['max_operands'\] are not settings of the task "
+                                         r"'arithmetic'; its settings: \['seed', 'n_train', 'n_eval', 'max_operand'"):
+        load_task_data(DataConfig(task="arithmetic", task_options={"max_operands": 9}))
+    with pytest.raises(ValueError, match=r"data.task_options .* exceeds the 100 distinct questions"):
+        load_task_data(DataConfig(task="arithmetic", task_options={"max_operand": 9}))  # 2000 + 1000 sums of 0-9
+    with pytest.raises(ValueError, match=r"data.task is null: set data.task_options to \{\}"):
+        DataConfig(path="records.jsonl", task_options={"max_operand": 9})
+
+
 def _numbered(tmp_path, name: str, n: int):
     lines = [json.dumps({"prompt": f"{name} {i}", "answer": i}) for i in range(n)]
     return _write(tmp_path / f"{name}.jsonl", lines)
