@@ -87,15 +87,13 @@ def test_a_failed_vllm_smoke_check_starts_no_vllm_run(gpu_check, tmp_path):
 
 
 def test_the_gpu_tests_step_collects_every_gpu_test_from_the_files_it_names(gpu_check):
-    import re
     import subprocess
     import sys
 
-    def collected(*paths: str) -> int:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p",
-                               "no:cacheprovider", *paths], capture_output=True, text=True, timeout=300, cwd=ROOT)
-        return int(re.search(r"(\d+)/\d+ tests collected", done.stdout).group(1))
-
+    # The whole suite collected once (a subprocess: ~15 s of imports), its gpu tests by node id.
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p",
+                           "no:cacheprovider", "tests"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    gpu_tests = [line for line in done.stdout.splitlines() if "::" in line]
     files = gpu_check.gpu_test_files()
     assert files and all(path.name.startswith("test_") for path in files)
-    assert collected(*map(str, files)) == collected(str(ROOT / "tests")) > 0
+    assert gpu_tests and {ROOT / line.split("::")[0] for line in gpu_tests} == set(files), done.stdout[-2000:]
