@@ -114,11 +114,9 @@ class _Reader:
         could otherwise be between requests (in a prefill) for the whole of a short sync, and the probe
         would see no decoding gap across it (CI, 40-token requests, a 0.3 s sync)."""
         while True:
-            latest: dict[int, tuple[int, int]] = {}
-            for (index, request), chunks in self.requests.items():
-                if request >= latest.get(index, (-1, 0))[0]:
-                    latest[index] = (request, sum(t for _, t in chunks))
-            if any(SETTLE_TOKENS <= sent <= max_tokens // 2 for _, sent in latest.values()):
+            latest = {index: sum(t for _, t in chunks)  # by (stream, request): each stream's last request wins
+                      for (index, _), chunks in sorted(self.requests.items())}
+            if any(SETTLE_TOKENS <= sent <= max_tokens // 2 for sent in latest.values()):
                 return
             await self._check_reading()
             await asyncio.sleep(0.002)

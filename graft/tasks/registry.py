@@ -57,9 +57,8 @@ def load_task_data(data_config: DataConfig) -> tuple[list[Example], list[Example
     """The (train, held-out eval) examples a run uses.
 
     `data.task` names a built-in task in `TASKS`, built with `data.task_options` (its defaults where
-    empty). Otherwise `data.path` is
-    read (fields mapped by `data.prompt_key` and `data.answer_key`); the eval set is
-    `data.eval_path` when given, else a deterministic 10% of `data.path`. `data.system_prompt`, when
+    empty). Otherwise `data.path` is read (fields mapped by `data.prompt_key` and `data.answer_key`);
+    the eval set is `data.eval_path` when given, else a deterministic 10% of `data.path`. `data.system_prompt`, when
     set, goes in front of every prompt without a system message of its own.
 
     Raises:
