@@ -10,6 +10,7 @@ from graft.rollout.vllm.server import lora_cpu, lora_cpu_linear
 
 punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
 VLLM_ADD_LORA_LINEAR = punica_cpu.PunicaWrapperCPU.add_lora_linear
+VLLM_ADD_LORA_LOGITS = punica_cpu.PunicaWrapperCPU.add_lora_logits
 
 SLOTS, RANK, IN = 4, 8, 48
 FP32 = {"rtol": 1e-5, "atol": 1e-4}
@@ -69,7 +70,7 @@ def _apply(wrapper, y, x, a, b, slices, scale=0.5):
 @pytest.fixture(autouse=True)
 def _grouped_ops(monkeypatch):
     """vLLM's wrapper calls the bgmv ops through punica_cpu's names: graft's, for -1 as "no LoRA"."""
-    for name in ("bgmv_shrink", "bgmv_expand_slice"):
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
         monkeypatch.setattr(punica_cpu, name, getattr(lora_cpu, name))
 
 
@@ -96,8 +97,7 @@ def test_step_grouping_is_cached_and_rebuilt_when_the_indices_change():
     first = lora_cpu_linear.step_slots(wrapper)
     assert lora_cpu_linear.step_slots(wrapper) is first
     assert first.slots_K.tolist() == [0, 1]
-    assert first.rows_KM.tolist() == [[2, 0], [0, 1]] and first.padding_KM1.squeeze(-1).tolist() == [
-        [False, True], [False, False]]
+    assert first.rows_KM.tolist() == [[2, 0], [0, 1]]
     assert first.positions_N.tolist() == [2, 3, 0, 0] and first.none_N1.squeeze(-1).tolist() == [False] * 3 + [True]
     wrapper.set([3, 3, 3, 3])  # same length, same buffer: only the version tells
     assert lora_cpu_linear.step_slots(wrapper).slot == 3
@@ -124,11 +124,47 @@ def test_stacked_weights_are_cached_and_rebuilt_when_an_adapter_is_written_into_
 
 def test_installed_over_the_pinned_vllm(monkeypatch):
     monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_linear", VLLM_ADD_LORA_LINEAR)
+    monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_logits", VLLM_ADD_LORA_LOGITS)
     assert lora_cpu_linear.install(), "the pinned vLLM's add_lora_linear changed: check graft's against it"
     assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu_linear.add_lora_linear
     assert lora_cpu_linear.VLLM_ADD_LORA_LINEAR is VLLM_ADD_LORA_LINEAR
     assert lora_cpu_linear.install(), "installed twice: vLLM's own is kept, not graft's"
     assert lora_cpu_linear.VLLM_ADD_LORA_LINEAR is VLLM_ADD_LORA_LINEAR
+    assert lora_cpu_linear.VLLM_ADD_LORA_LOGITS is VLLM_ADD_LORA_LOGITS
+    assert punica_cpu.PunicaWrapperCPU.add_lora_logits is lora_cpu_linear.add_lora_logits
+
+
+class _LogitsWrapper:
+    """The state the logits add reads: the step's sampled rows' slots, in a buffer."""
+
+    def __init__(self, indices):
+        self._sampler_indices = torch.tensor(indices)
+
+    @property
+    def sampler_indices(self):
+        return self._sampler_indices
+
+
+@pytest.mark.parametrize("indices", [[1, 1, 1], [2, -1, 1], [-1, -1, -1]], ids=["live", "mixed", "none"])
+def test_add_lora_logits_skips_slots_without_an_lm_head_lora_and_equals_vllms_with_one(indices, monkeypatch):
+    def _not_skipped(*args, **kwargs):
+        raise AssertionError("slots of zeros (an adapter without lm_head) went through the products")
+
+    monkeypatch.setattr(lora_cpu_linear, "VLLM_ADD_LORA_LOGITS", _not_skipped)
+    vocab = 50
+    a, b = torch.randn(SLOTS, 1, RANK, IN), torch.zeros(SLOTS, 1, vocab, RANK)
+    x, y = torch.randn(len(indices), IN), torch.randn(len(indices), vocab)
+    ours = _LogitsWrapper(indices)
+    got = y.clone()
+    lora_cpu_linear.add_lora_logits(ours, got, x, a, b, 0.5)
+    assert torch.equal(got, y)
+    b[1, 0].copy_(torch.randn(vocab, RANK))  # as vLLM's set_lora writes an lm_head LoRA: in place
+    monkeypatch.setattr(lora_cpu_linear, "VLLM_ADD_LORA_LOGITS", VLLM_ADD_LORA_LOGITS)  # as `install` keeps it
+    lora_cpu_linear.add_lora_logits(ours, got, x, a, b, 0.5)
+    want = y.clone()
+    VLLM_ADD_LORA_LOGITS(_LogitsWrapper(indices), want, x, a, b, 0.5)
+    torch.testing.assert_close(got, want, **FP32)
+    assert torch.equal(got, y) == (1 not in indices)
 
 
 def test_a_mixed_step_sees_an_adapter_written_into_its_slot_between_calls():
