@@ -88,14 +88,13 @@ ROLLOUT_MODES = {"base": "base weights", "adapter": "adapter, graft's LoRA ops",
 
 def rollout(kept: list[dict]) -> list[str]:
     """Generated tokens/s of one vLLM server through base weights, an adapter, 8 adapters mixed in one
-    batch (results from before that mode have no such row) and merged weights."""
-    lines = []
-    for run in kept:
-        r = run["result"]
-        modes = {**ROLLOUT_MODES, **({"mixed_adapters": f"{r.get('mixed_adapters', 8)} adapters mixed in one batch"}
-                                     if "mixed_adapters_tokens_per_s" in r else {})}
-        lines += table(["served as", "tokens/s"], [[label, f"{r[f'{mode}_tokens_per_s']:.0f}"]
-                                                   for mode, label in modes.items()])
+    batch (results from before that mode show none) and merged weights: one column per model."""
+    results = [run["result"] for run in kept]
+    modes = {**ROLLOUT_MODES, "mixed_adapters": f"{results[0].get('mixed_adapters', 8)} adapters mixed in one batch"}
+    lines = table(["served as", *(r["model"] for r in results)],
+                  [[label, *(f"{r[f'{mode}_tokens_per_s']:.0f}" if f"{mode}_tokens_per_s" in r else "-"
+                             for r in results)] for mode, label in modes.items()])
+    for r in results:
         mixed = f", **{r['mixed_vs_base']:.2f}x** through {r.get('mixed_adapters', 8)} mixed" if "mixed_vs_base" in r else ""
         lines += ["", f"{r['model']}, LoRA r={r['lora_rank']}, {r['prompts']} prompts x {r['samples']} samples x "
                       f"{r['max_new_tokens']} tokens, medians of {r['repeats']} rounds: graft's ops "
@@ -200,7 +199,7 @@ TABLES = {
     "sync-sweep": (("sync-size", "sync-rank"), sync_sweep),
     "verify": (("verify", "verify-smollm2"), verify),
     "merge": (("merge",), merge),
-    "rollout": (("rollout",), rollout),
+    "rollout": (("rollout", "rollout-smollm2"), rollout),
     "soak": (("soak",), soak),
     "step": (("step",), step),
     "memory": (("memory-2", "memory-24"), memory),
