@@ -101,6 +101,7 @@ class MemoryTransport:
         self._segments = SegmentPool() if kind == "shm" else None
         self._to_keep: tuple[int, bytes | None, dict] | None = None  # keep_on_disk: (version, bytes, config)
         self._writing: asyncio.Task | None = None
+        self._writing_version: int | None = None
 
     async def prepare(self, version: int, step: int, weights: AdapterWeights, protect: Collection[int]) -> Prepared:
         """The blob (each tensor converted and copied once, in a worker thread; the scaling folded in
@@ -128,6 +129,7 @@ class MemoryTransport:
         self._to_keep = None
         self._writing = asyncio.create_task(asyncio.to_thread(self._publish, version, step, blob, config,
                                                               set(protect)))
+        self._writing_version = version
 
     def _publish(self, version: int, step: int, blob: bytes | None, config: dict, protect: set[int]) -> None:
         data = blob if blob is not None else self._segments.contents(version)
@@ -142,8 +144,15 @@ class MemoryTransport:
             await writing
 
     def unloaded(self, version: int) -> None:
-        """`version` is loaded nowhere any more (or never was): its segment may be rewritten."""
-        if self._segments is not None:
+        """`version` is loaded nowhere any more (or never was): its segment may be rewritten, once its
+        background write has read it (a run closing right after a sync unloads the version that write
+        is keeping: a CI run's write found its segment gone)."""
+        if self._segments is None:
+            return
+        writing = self._writing
+        if writing is not None and not writing.done() and self._writing_version == version:
+            writing.add_done_callback(lambda _: self._segments.release(version))
+        else:
             self._segments.release(version)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 engines, that memory versions write nothing and carry exactly the trainer's tensors, and that an engine
 refusing the memory route moves the run to disk once, with nothing left loaded twice."""
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -154,3 +155,32 @@ def test_keep_on_disk_publishes_each_memory_version_after_its_load(tmp_path, pef
         got = safetensors.torch.load_file(published.path / ADAPTER_WEIGHTS)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert engine.adapters == {} and sync.transport == transport
+
+
+def test_a_version_unloaded_while_its_kept_copy_is_written_keeps_its_segment_until_then(tmp_path, peft_model,
+                                                                                         monkeypatch):
+    """shm with keep_on_disk: the run closes (unloading every version) while the last version's files
+    are still being written from its segment; the write reads the segment it held, not a freed one."""
+    import threading
+    import time
+
+    from graft.rollout.adapter_blob import SegmentPool
+    from graft.sync.publish import read_version
+
+    contents, reading = SegmentPool.contents, threading.Event()
+
+    def slow_contents(pool, key):
+        reading.set()
+        time.sleep(0.3)  # the loop unloads the version meanwhile
+        return contents(pool, key)
+
+    monkeypatch.setattr(SegmentPool, "contents", slow_contents)
+    sync, _, publisher = make_sync(BlobEngine(), tmp_path, keep=2, transport="shm", keep_on_disk=True)
+
+    async def main():
+        await sync.sync(peft_model, 1, step=10)
+        await asyncio.to_thread(reading.wait)
+        await sync.close()
+
+    run(main())
+    assert read_version(publisher.root, "adapter", 1).step == 10  # written whole, manifest checked
