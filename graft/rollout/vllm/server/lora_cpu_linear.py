@@ -82,15 +82,18 @@ def group_slots(indices_N: torch.Tensor) -> StepSlots:
 
 
 def step_slots(wrapper) -> StepSlots:
-    """The grouping of the wrapper's current token indices, computed once per step: cached on the
-    wrapper, keyed by the indices buffer's version (vLLM copies each step's mapping into it in
-    place), address and length."""
-    indices_N = wrapper.token_lora_indices
+    """The grouping of the wrapper's current token indices, computed once per step (`_per_step`)."""
+    return _per_step(wrapper, "_graft_step_slots", wrapper.token_lora_indices, group_slots)
+
+
+def _per_step(wrapper, attribute: str, indices_N: torch.Tensor, build: Callable):
+    """`build(indices_N)` cached on the wrapper as `attribute`, keyed by the indices buffer's version
+    (vLLM copies each step's mapping into it in place), address and length: once per step."""
     key = (indices_N._version, indices_N.data_ptr(), indices_N.numel())
-    cached = getattr(wrapper, "_graft_step_slots", None)
+    cached = getattr(wrapper, attribute, None)
     if cached is None or cached[0] != key:
-        cached = (key, group_slots(indices_N))
-        wrapper._graft_step_slots = cached
+        cached = (key, build(indices_N))
+        setattr(wrapper, attribute, cached)
     return cached[1]
 
 
@@ -204,14 +207,9 @@ def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torc
 
 
 def sampled_slots(wrapper) -> torch.Tensor:
-    """The slots (>= 0) of the step's sampled rows, computed once per step (cached as `step_slots`)."""
-    indices_N = wrapper.sampler_indices
-    key = (indices_N._version, indices_N.data_ptr(), indices_N.numel())
-    cached = getattr(wrapper, "_graft_sampled_slots", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.unique(indices_N[indices_N >= 0]))
-        wrapper._graft_sampled_slots = cached
-    return cached[1]
+    """The slots (>= 0) of the step's sampled rows, computed once per step (`_per_step`)."""
+    return _per_step(wrapper, "_graft_sampled_slots", wrapper.sampler_indices,
+                     lambda indices_N: torch.unique(indices_N[indices_N >= 0]))
 
 
 def live_slots(lora_b_stacked: torch.Tensor) -> torch.Tensor:
