@@ -20,6 +20,20 @@ def test_every_command_explains_itself(command, capsys):
 
 
 
+def test_help_and_a_bad_setting_answer_before_torch_is_imported():
+    """`graft --help`, each command's help and a bad setting answer in about a second: nothing on
+    their way imports torch, peft or vLLM (the parser once imported the Tinker service's policy, and
+    `graft train` its trainer before reading the config: 4.3 s of imports here before every refusal)."""
+    code = ("import sys\nfrom graft.cli import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['tenants', 'serve', '--help'], ['bench', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert main(['train', '-o', 'train.no_such_key=1']) == 2\n"
+            "print(sorted(m for m in ('torch', 'peft', 'vllm') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]" and "unknown config key 'train.no_such_key'" in done.stderr
+
+
 def test_bench_help_lists_the_benches_and_each_bench_shows_its_own_flags(capsys):
     from graft.bench.commands import BENCHES
 

@@ -29,9 +29,10 @@ def run(args: argparse.Namespace) -> None:
     import asyncio
 
     from graft.config import load_config
-    from graft.train.trainer import train
 
     config = _resumed_config(args) if args.resume else load_config(args.config, args.override)
+    from graft.train.trainer import train  # after the config: a bad setting answers before 4 s of imports
+
     result = asyncio.run(train(config, Path(args.run_dir), resume=args.resume))
     if not result:  # ranks > 0 of a torchrun launch: rank 0 reports
         return

@@ -27,8 +27,7 @@ from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
 from graft.config.arguments import COUNT, PORT
-from graft.tenants.policy import PASS_TOKENS
-from graft.tenants.users import Limits, Users, check_api_key
+from graft.tenants.users import PASS_TOKENS, Limits, Users, check_api_key
 
 DEFAULT_PORT = 8210
 ENGINE_KEY_ENV = "GRAFT_TENANTS_ENGINE_KEY"  # the launched vLLM's key, in its environment only

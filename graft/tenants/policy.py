@@ -36,9 +36,8 @@ from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
 from graft.sync.source import eval_mode
 from graft.tenants.invariant import batch_invariant
 from graft.tenants.losses import LOSSES, LossConfigError, loss_config
+from graft.tenants.users import PASS_TOKENS
 from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
-
-PASS_TOKENS = 4096  # padded tokens per forward pass (rows x longest row); more go in further passes
 
 
 def passes_of(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:

@@ -54,7 +54,6 @@ from graft.lora.routing import routed
 from graft.models.loading import load_model
 from graft.sync.source import probe_logits_finite
 from graft.tenants.policy import (
-    PASS_TOKENS,
     AdamParams,
     Datum,
     DatumResult,
@@ -65,6 +64,7 @@ from graft.tenants.policy import (
 )
 from graft.tenants.sharded import ShardedTenantPolicy
 from graft.tenants.source import TenantSource
+from graft.tenants.users import PASS_TOKENS
 from graft.train.dist import Dist, broadcast_ints, broadcast_tensor
 from graft.train.parallelize import check_tensor_parallel, reshard
 

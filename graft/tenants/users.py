@@ -90,6 +90,9 @@ class Users:
         return found
 
 
+PASS_TOKENS = 4096  # padded tokens per forward pass (rows x longest row); more go in further passes
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one user, one request or one datum may take of the service; each refusal names its
