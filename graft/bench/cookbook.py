@@ -126,7 +126,7 @@ def measure(args: argparse.Namespace, console: Console) -> dict:
 
     site = cookbook_site(default_cache_dir(), console)
     model_dir = base_model_dir(args.model, log=lambda message: console.print(message))
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the recipes run in it: their relative log paths would nest
     out.mkdir(parents=True, exist_ok=True)
     slots = 2 * max(args.tenants)  # each tenant keeps its 2 newest versions served
     config = VllmServerConfig(model=str(model_dir), dtype="float32", max_lora_rank=args.rank, max_loras=slots,
