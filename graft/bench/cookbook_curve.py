@@ -78,7 +78,9 @@ def curve_row(tenants: int, scheduler, log_paths: list[Path], seconds: float) ->
             "trained_tokens": scheduler.trained_tokens, "sampled_tokens": sampled,
             "trained_tokens_per_s": round(scheduler.trained_tokens / span_s, 1) if span_s else 0.0,
             "sampled_tokens_per_s": round(sampled / span_s, 1) if span_s else 0.0,
-            "trainer_busy_fraction": round(clock.busy_fraction(), 3), **arrival_stats(list(scheduler.arrivals))}
+            "trainer_busy_fraction": round(clock.busy_fraction(), 3),
+            "trainer_busy_s_by_job": {name: round(s, 1) for name, s in clock.busy_by_job_s.most_common()},
+            **arrival_stats(list(scheduler.arrivals))}
 
 
 def curve_summary(rows: list[dict]) -> dict:

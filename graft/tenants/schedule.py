@@ -30,6 +30,7 @@ operation runs again alone, so only the one at fault fails.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -76,16 +77,21 @@ class TrainerClock:
     busy_s: float = 0.0
     start_s: float | None = None  # when the first pass began (time.monotonic)
     end_s: float = 0.0  # when the last job ended
+    busy_by_job_s: Counter = field(default_factory=Counter)  # the same seconds by the job's function name
 
     def timed(self, job: Callable[[], Any]) -> Callable[[], Any]:
         """`job`, counting its time on the thread once the first pass began."""
+        name = getattr(getattr(job, "func", job), "__name__", "job")  # a partial's function, or the job's
+
         def run() -> Any:
             begun = time.monotonic()
             try:
                 return job()
             finally:
                 if self.start_s is not None:
-                    self.busy_s += time.monotonic() - max(begun, self.start_s)
+                    seconds = time.monotonic() - max(begun, self.start_s)
+                    self.busy_s += seconds
+                    self.busy_by_job_s[name] += seconds
                     self.end_s = time.monotonic()
         return run
 
@@ -265,7 +271,7 @@ class Scheduler:
         if self.clock.start_s is None:
             self.clock.start_s = time.monotonic()
         try:
-            await self._run(models, ops, self.run_on_model(lambda: self._shared_pass(models, ops)))
+            await self._run(models, ops, self.run_on_model(functools.partial(self._shared_pass, models, ops)))
         finally:
             self._passes_running -= 1
             self._wake.set()

@@ -23,6 +23,22 @@ def test_arrival_gaps_are_to_the_nearest_other_tenant_and_steps_per_tenant():
     assert arrival_stats([(0.0, "a"), (3.0, "a")])["gap_median_s"] is None
 
 
+def test_the_clock_counts_jobs_once_the_first_pass_began_by_their_functions_name():
+    import functools
+
+    clock = TrainerClock()
+
+    def step(x):
+        return x
+
+    assert clock.timed(functools.partial(step, 1))() == 1 and clock.busy_s == 0.0  # before the first pass
+    clock.start_s = 0.0
+    clock.timed(functools.partial(step, 2))()
+    clock.timed(lambda: step(3))()
+    assert set(clock.busy_by_job_s) == {"step", "<lambda>"}
+    assert sum(clock.busy_by_job_s.values()) == pytest.approx(clock.busy_s)
+
+
 def test_a_row_and_the_summary_from_a_schedulers_stats(tmp_path):
     clock = TrainerClock(busy_s=8.0, start_s=100.0, end_s=110.0)
     scheduler = SimpleNamespace(clock=clock, pass_sizes={1: 1, 2: 3}, trained_tokens=500, arrivals=[])
@@ -52,6 +68,8 @@ def test_the_smallest_curve_runs_and_plots(base_dir, vllm_server, tmp_path):
         assert sum(int(size) * count for size, count in row["pass_sizes"].items()) == 2 * row["tenants"]
         assert row["trained_tokens_per_s"] > 0 and row["sampled_tokens"] > 0
         assert 0 < row["trainer_busy_fraction"] <= 1
+        # the busy seconds by job: the shared passes, the optimizer steps and the reads publishing needs
+        assert {"_shared_pass", "_optim_step", "_as_published"} <= set(row["trainer_busy_s_by_job"])
     summary = curve_summary(rows)
     assert summary["aggregate_over_single"] > 0 and summary["curve"] == rows
     png = plot_curve(rows, "test", tmp_path / "curve.png")
