@@ -81,15 +81,20 @@ class TenantSource:
         self._policy = policy
         self._run = run
         self._published: dict[str, torch.Tensor] | None = None  # the snapshot, by training name
+        self._published_as: tuple[torch.dtype, dict] | None = None  # its dtype and LoraConfig
 
     def _live(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self._policy.parameters(self.tenant).items()}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """The published values, copied now if no job took them yet (a caller outside the model thread
-        then must know that nothing changes the adapter meanwhile, e.g. a test)."""
+        then must know that nothing changes the adapter meanwhile, e.g. a test). The model's dtype and
+        the tenant's config are read with them: walking the model's modules from the event loop while
+        the model thread removed a finished tenant's failed a publish ("dictionary changed size during
+        iteration", 8 cookbook clients)."""
         if self._published is None:
             self._published = {name: tensor.clone() for name, tensor in self._live().items()}
+            self._published_as = (model_dtype(self.model), tenant_config_dict(self.model, self.tenant))
         return self._published
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
@@ -98,7 +103,7 @@ class TenantSource:
 
     def adapter(self) -> AdapterWeights:
         tensors = {single_adapter_key(name, self.tenant): tensor for name, tensor in self._snapshot().items()}
-        return AdapterWeights(tensors, model_dtype(self.model), tenant_config_dict(self.model, self.tenant))
+        return AdapterWeights(tensors, *self._published_as)
 
     def merged_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("tenants share one base: each is served as an adapter, never merged into it")

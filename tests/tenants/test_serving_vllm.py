@@ -5,6 +5,7 @@ wrong or non-finite adapter is refused. The `vllm` tests leave the shared server
 
 import asyncio
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -92,6 +93,30 @@ def test_a_source_reads_the_version_it_published_after_the_tenant_steps_on(base_
 
     asyncio.run(main())
 
+
+
+def test_a_publish_walks_the_model_only_on_the_model_thread(base_dir):
+    """The sync reads `adapter()` on the event loop while the model thread may be removing another
+    tenant's modules: the dtype and config come with the snapshot, taken in the publish's first job
+    (walking the modules from the loop failed a publish of 8 cookbook clients: "dictionary changed
+    size during iteration")."""
+    policy = _policy(base_dir, steps=0)
+    walked = []
+    for model in (policy.model, policy.model.get_base_model()):
+        def recorded(*args, _walk=model.named_modules, **kwargs):
+            walked.append(threading.get_ident())
+            return _walk(*args, **kwargs)
+        model.named_modules = recorded
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            source = TenantSource(policy, "alice", _model_thread(pool))
+            await source.read(lambda: None)  # the publish's first job
+            return pool.submit(threading.get_ident).result(), source.adapter()
+
+    model_thread, weights = asyncio.run(main())
+    assert walked and set(walked) == {model_thread}
+    assert weights.config["r"] == 4 and weights.dtype == torch.float32
 
 def test_a_tenant_that_would_overfill_the_engines_slots_is_refused(tmp_path):
     serving = TenantServing(None, tmp_path, max_loras=MAX_LORAS, keep_versions=2)  # the engine is never called
