@@ -37,6 +37,7 @@ from graft.lora.routing import routed
 from graft.models.loading import model_dtype
 from graft.sync.source import probe_logits_finite, swapped_in
 from graft.tenants.policy import TenantPolicy
+from graft.train.cpu_tuning import one_thread_fewer
 
 T = TypeVar("T")
 
@@ -123,5 +124,6 @@ class TenantSource:
     def _as_published(self, read: Callable[[], T]) -> T:
         """`read()` with the tenant's adapter holding the published values, its live values after."""
         published = self._snapshot()
-        with swapped_in(self._live(), published):
+        # publishing's reads are a few short forwards, run while vLLM samples other tenants
+        with swapped_in(self._live(), published), one_thread_fewer():
             return read()

@@ -50,6 +50,20 @@ def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeyp
         assert torch.get_num_threads() == before
 
 
+
+def test_a_read_beside_vllm_takes_one_thread_fewer_and_gives_it_back():
+    before = torch.get_num_threads()
+    try:
+        for threads, inside in ((3, 2), (1, 1)):
+            torch.set_num_threads(threads)
+            with pytest.raises(KeyError):  # however the body ends
+                with cpu_tuning.one_thread_fewer():
+                    assert torch.get_num_threads() == inside
+                    raise KeyError
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
 _REUSE = """
 import resource, sys, torch
 from graft.train.cpu_tuning import set_up_host_memory, update_memory_cached
