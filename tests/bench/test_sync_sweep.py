@@ -14,7 +14,6 @@ from graft.bench.sync_sweep import (
     linear_fit,
     plot_sweep,
     print_sweep_report,
-    run_sync_sweep,
 )
 from graft.config import VLLM_LORA_RANKS
 
@@ -78,20 +77,3 @@ def test_report_prints_table_fit_and_floor_ratios(capsys):
     assert "adapter / raw_write:" in out and "qwen2.5-0.5b-shape r32" in out
     assert "merged seconds vs MiB" not in out  # one merged size in a rank sweep: no fit
 
-
-@pytest.mark.vllm
-def test_reduced_rank_sweep_against_a_real_server():
-    tiny = SIZE_SHAPES[0]
-    result = run_sync_sweep("rank", repeats=1, groups=[[replace(tiny, rank=8), replace(tiny, rank=16)]])
-    rows = {(row["rank"], row["mode"]): row for row in result["rows"]}
-    assert set(rows) == {(rank, mode) for rank in (8, 16) for mode in MODES}
-    assert all(row["model"] == tiny.name and row["params"] == 771_200 and row["seconds"] > 0 and row["bytes"] > 0
-               for row in rows.values())
-    # Adapter tensors double with the rank; merged publishes the whole model at any rank.
-    assert rows[16, "raw_write"]["bytes"] == 2 * rows[8, "raw_write"]["bytes"]
-    assert rows[8, "raw_write"]["bytes"] < rows[8, "adapter"]["bytes"]  # + config, header
-    assert rows[8, "merged"]["bytes"] == rows[16, "merged"]["bytes"] >= rows[8, "merged_raw_write"]["bytes"]
-    assert rows[16, "merged_raw_write"]["bytes"] == 2 * 771_200  # bf16, tied embeddings once
-    for rank in (8, 16):
-        assert rows[rank, "adapter_publish"]["seconds"] <= rows[rank, "adapter"]["seconds"]
-        assert rows[rank, "merged_publish"]["seconds"] <= rows[rank, "merged"]["seconds"]
