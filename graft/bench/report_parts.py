@@ -184,14 +184,20 @@ def update(kept: list[dict]) -> list[str]:
 
 
 def tenants(kept: list[dict]) -> list[str]:
-    """Tenants trained in shared batches vs one alone: tokens/s, isolation, memory added."""
+    """Tenants trained in shared batches vs one alone: tokens/s, batch-invariant tokens/s, isolation
+    (invariant / default where the run measured both), memory added."""
+    def invariant(r: dict) -> list[str]:
+        if "invariant_tokens_per_s" not in r:  # kept from before `--batch-invariant` existed
+            return ["-", small(r["isolation_max_rel_diff"])]
+        return [f"{r['invariant_tokens_per_s']:.0f} tok/s ({r['invariant_over_together']:.2f}x)",
+                f"{small(r['isolation_max_rel_diff'])} / {small(r['isolation_default_max_rel_diff'])}"]
+
     rows = [[f"hidden {r['hidden']}, {r['layers']} layers", str(r["tokens"]), f"{r['alone_tokens_per_s']:.0f} tok/s",
              f"{r['together_tokens_per_s']:.0f} tok/s ({r['tenants']})", f"{r['aggregate_over_single']:.2f}x",
-             small(r["isolation_max_rel_diff"]), f"{mib(r['tenant_state_bytes'])} / {mib(r['base_bytes'])} MiB"]
+             *invariant(r), f"{mib(r['tenant_state_bytes'])} / {mib(r['base_bytes'])} MiB"]
             for r in (run["result"] for run in kept)]
     return table(["base", "tokens per sequence", "1 tenant alone", "together (tenants)", "aggregate / alone",
-                  "isolation", "tenants' state / base"], rows)
-
+                  "batch-invariant", "isolation: invariant / default", "tenants' state / base"], rows)
 
 TABLES = {
     "sync": (("sync",), sync),
@@ -204,5 +210,5 @@ TABLES = {
     "step": (("step",), step),
     "memory": (("memory-2", "memory-24"), memory),
     "update": (("update", "update-bf16", "update-fp32"), update),
-    "tenants": (("tenants", "tenants-768", "tenants-768-512"), tenants),
+    "tenants": (("tenants",), tenants),
 }

@@ -1,7 +1,7 @@
 """The result tables of whole runs: the quickstarts, `graft bench e2e`, `cores`, `learning`,
-`cookbook` and `make gpu-check`. Each renderer takes the kept result files of its table (see
-`graft.bench.results`) and returns the table's markdown lines; it reads only what the command itself
-writes, so that a fresh run renders as the files seeded from the docs do."""
+`cookbook` (its learning and its scaling curve) and `make gpu-check`. Each renderer takes the kept
+result files of its table (see `graft.bench.results`) and returns the table's markdown lines; it reads
+only what the command itself writes, so that a fresh run renders as the files seeded from the docs do."""
 
 from __future__ import annotations
 
@@ -115,6 +115,23 @@ def cookbook(kept: list[dict]) -> list[str]:
     return lines
 
 
+def cookbook_curve(kept: list[dict]) -> list[str]:
+    """`--tenants 1,2,4,...`: per number of tenants what the service trained and sampled, how busy its
+    trainer was and how many passes several tenants shared; the largest N's gain over one tenant."""
+    lines = []
+    for run in kept:
+        r = run["result"]
+        lines += table(["tenants", "trained tokens/s", "sampled tokens/s", "trainer busy", "passes with >= 2 tenants",
+                        "step s (median)"],
+                       [[str(row["tenants"]), f"{row['trained_tokens_per_s']:.1f}", f"{row['sampled_tokens_per_s']:.1f}",
+                         f"{row['trainer_busy_fraction']:.0%}", f"{row['multi_tenant_pass_fraction']:.0%}",
+                         f"{row['step_median_s']:.1f}" if row["step_median_s"] is not None else "-"]
+                        for row in sorted(r["curve"], key=lambda row: row["tenants"])])
+        lines += ["", f"{r['model']}, {r['steps']} steps per tenant: at {r['tenants']} tenants "
+                      f"**{r['aggregate_over_single']}x** one tenant's trained tokens/s."]
+    return lines
+
+
 def gpu_check(kept: list[dict]) -> list[str]:
     """`make gpu-check`'s verdict (scripts/gpu_check.py writes gpu-check.json): the passed checks in
     one line, each failed one in a table row with its detail."""
@@ -146,5 +163,6 @@ TABLES = {
     "learning": (("learning-seed0", "learning-seed1", "learning-seed2", "learning-smollm2-seed0",
                   "learning-smollm2-seed1", "learning-smollm2-seed2"), learning),
     "cookbook": (("cookbook",), cookbook),
+    "cookbook-curve": (("cookbook-curve",), cookbook_curve),
     "gpu-check": (("gpu-check",), gpu_check),
 }
