@@ -79,3 +79,14 @@ def test_the_tinker_cli_lists_and_deletes_a_users_own_checkpoints(base_dir, tmp_
         assert _cli(running.url, BOB, "checkpoint", "list")["checkpoints"] == []
         assert _cli(running.url, ANN, "checkpoint", "delete", "-y", path)["deleted_count"] == 1
         assert _cli(running.url, ANN, "checkpoint", "list")["checkpoints"] == []
+
+
+def test_the_service_takes_the_gil_back_quickly_while_it_runs_and_restores_the_interval(base_dir, tmp_path):
+    """The model thread's many small ops each wait out the GIL switch interval behind the event loop's
+    thread (graft.tenants.command.GIL_SWITCH_S): shorter while the service runs, as it was after."""
+    from graft.tenants.command import GIL_SWITCH_S
+
+    before = sys.getswitchinterval()
+    with _service(base_dir, tmp_path):
+        assert sys.getswitchinterval() == GIL_SWITCH_S < before
+    assert sys.getswitchinterval() == before
