@@ -199,6 +199,7 @@ def tenants(kept: list[dict]) -> list[str]:
     return table(["base", "tokens per sequence", "1 tenant alone", "together (tenants)", "aggregate / alone",
                   "batch-invariant", "isolation: invariant / default", "tenants' state / base"], rows)
 
+
 TABLES = {
     "sync": (("sync",), sync),
     "sync-stall": (("sync-stall",), sync_stall),
