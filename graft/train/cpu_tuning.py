@@ -127,6 +127,18 @@ def release_cached_memory() -> None:
 
 
 @contextlib.contextmanager
+def _torch_threads(count: int):
+    """torch's intra-op threads at `count` for the body, the count before it after, however it ends."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def one_thread_fewer():
     """torch's threads one fewer (never below 1) for the body: for a few short forwards beside a busy
     local vLLM, whose core an OpenMP team of all cores waits for at every parallel region. Measured
@@ -134,14 +146,9 @@ def one_thread_fewer():
     0.65 s on 2 threads and 0.24 on 1 with one core busy, 0.18 and 0.24 with both idle."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return _torch_threads(max(1, torch.get_num_threads() - 1))
 
-@contextlib.contextmanager
+
 def leave_a_core_to_local_vllm(config: GraftConfig):
     """vLLM-CPU generates on one core; when generation overlaps training (max_staleness > 0), a
     trainer whose BLAS threads compete for that core slows both down (measured on 2 cores: ~1.5 s per
@@ -155,8 +162,5 @@ def leave_a_core_to_local_vllm(config: GraftConfig):
     rollout, threads = config.rollout, torch.get_num_threads()
     local_vllm = rollout.engine == "vllm" and all(is_loopback_url(url) for url in rollout.urls)
     if local_vllm and rollout.max_staleness > 0 and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+        threads = max(1, (os.cpu_count() or 2) - 1)
+    return _torch_threads(threads)

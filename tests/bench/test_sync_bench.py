@@ -21,15 +21,15 @@ def one_bench_server(tmp_path_factory):
     """`bench_server` started once per base shape and LoRA rank for this file's benches; the benches'
     rounds measure times and sizes, which a server another bench synced before serves as well."""
     started, real = {}, common.bench_server
-
-    @contextlib.contextmanager
-    def shared(shape, work, max_lora_rank, console):
-        key = (replace(shape, rank=0), max_lora_rank)  # the base is the same at any LoRA rank
-        if key not in started:
-            started[key] = servers.enter_context(real(shape, tmp_path_factory.mktemp("bench"), max_lora_rank, console))
-        yield started[key]
-
     with contextlib.ExitStack() as servers, pytest.MonkeyPatch.context() as patch:
+        @contextlib.contextmanager
+        def shared(shape, work, max_lora_rank, console):
+            key = (replace(shape, rank=0), max_lora_rank)  # the base is the same at any LoRA rank
+            if key not in started:
+                started[key] = servers.enter_context(real(shape, tmp_path_factory.mktemp("bench"), max_lora_rank,
+                                                          console))
+            yield started[key]
+
         for module in (common, sync, sync_sweep):  # sync_stall imports it from common when it runs
             patch.setattr(module, "bench_server", shared)
         yield started
