@@ -6,8 +6,9 @@ meets them as it would in production (no mocked engine).
 (graft.rollout.vllm.server.entry) runs: the owner watchdog first, graft's `PATCHES` in the API server
 and in every child vLLM spawns (which imports this module as `__mp_main__`), then vLLM's `main`.
 After graft's patches, the faults named in `FAULT_ENV` (comma-separated names of `FAULTS`) go in,
-in vLLM's children (engine core and worker), each of which says in the log which it installed. An
-unknown name, or a fault that cannot go in, stops the server at start-up.
+in vLLM's children (engine core and worker): in each spawned child, or, where graft forks them
+(`fork_start`), in the API server before they fork from it. Each process that installed them says so
+in the log. An unknown name, or a fault that cannot go in, stops the server at start-up.
 
 Faults that change an adapter's weights apply only to adapters whose name starts with
 `FAULTY_PREFIX`, and vLLM's own prefix-cache key only to those whose name starts with `PLAIN_PREFIX`,
@@ -171,9 +172,11 @@ def install_faults() -> list[str]:
     return names
 
 
-def faults_line(installed: list[str]) -> str:
-    """The log line saying which faults a process of the engine got."""
-    return f"graft test faults installed in engine process {os.getpid()}: {', '.join(installed) or 'none'}"
+def faults_line(installed: list[str], *, forked: bool = False) -> str:
+    """The log line saying which faults a process of the engine got (`forked`: the processes that
+    fork from this one)."""
+    where = f"engine processes forked from {os.getpid()}" if forked else f"engine process {os.getpid()}"
+    return f"graft test faults installed in {where}: {', '.join(installed) or 'none'}"
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the server and its spawned children, not an import
@@ -191,4 +194,6 @@ if __name__ == "__main__":
     _INSTALLED += install_patches(_DEVICE, api_server=True)
     print(patches_line(_DEVICE, _INSTALLED), file=sys.stderr, flush=True)
     print(f"graft test faults requested: {', '.join(requested_faults()) or 'none'}", file=sys.stderr, flush=True)
+    if "fork_start" in _INSTALLED:  # the engine core and worker fork from here: they inherit the faults
+        print(faults_line(install_faults(), forked=True), file=sys.stderr, flush=True)
     run_api_server()

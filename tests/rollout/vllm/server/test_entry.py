@@ -134,14 +134,14 @@ def test_a_cuda_vllm_gets_the_http_routes_and_none_of_the_cpu_patches(monkeypatc
     device = entry.serving_device()
     assert device == "cuda"
     assert entry.select_patches(device) == (["lora_block_keys", "batch_route", "memory_adapters"],
-                                            ["short_busy_wait", "lora_cpu"])
+                                            ["short_busy_wait", "lora_cpu", "fork_start"])
     # The engine core and workers get the prefix-cache key alone (this vLLM's key lacks the load).
     assert entry.install_patches(device, api_server=False) == ["lora_block_keys"]
     assert lora_ops.bgmv_expand is not lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (1,)
     assert entry.patches_line(device, ["batch_route", "memory_adapters"]) == (
         "graft patches applied: batch_route, memory_adapters; not installed (another vLLM version, or turned off): "
-        "lora_block_keys; skipped on cuda: short_busy_wait, lora_cpu")
+        "lora_block_keys; skipped on cuda: short_busy_wait, lora_cpu, fork_start")
 
 
 def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
@@ -151,13 +151,13 @@ def test_vllm_cpu_gets_every_patch_in_every_process(vllm_ops_restored):
     device = entry.serving_device()  # this machine's vLLM-CPU, as it reports itself
     assert device == "cpu"
     assert entry.select_patches(device) == (
-        ["short_busy_wait", "lora_cpu", "lora_block_keys", "batch_route", "memory_adapters"], [])
+        ["short_busy_wait", "lora_cpu", "lora_block_keys", "fork_start", "batch_route", "memory_adapters"], [])
     assert entry.install_patches(device, api_server=False) == ["short_busy_wait", "lora_cpu", "lora_block_keys"]
     assert lora_ops.bgmv_expand is lora_cpu.bgmv_expand
     assert shm_broadcast.SpinCondition.__init__.__defaults__ == (entry.BUSY_LOOP_S,)
     assert entry.patches_line(device, ["short_busy_wait", "batch_route"]) == (
         "graft patches applied: short_busy_wait, batch_route; not installed (another vLLM version, or turned "
-        "off): lora_cpu, lora_block_keys, memory_adapters; skipped on cpu: none")
+        "off): lora_cpu, lora_block_keys, fork_start, memory_adapters; skipped on cpu: none")
 
 
 def _lora_request(name: str, path: str, load: int) -> SimpleNamespace:
@@ -227,5 +227,5 @@ def test_a_platform_graft_has_no_entry_for_gets_no_patch():
 def test_the_server_logs_once_which_patches_it_got(vllm_server):
     with open(vllm_server.log_path) as log:
         lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
-    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, lora_block_keys, batch_route, "
+    assert lines == ["graft patches applied: short_busy_wait, lora_cpu, lora_block_keys, fork_start, batch_route, "
                      "memory_adapters; skipped on cpu: none"]
