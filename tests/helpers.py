@@ -51,6 +51,19 @@ def live_group_members(pgid: int) -> list[str]:
     return [" ".join(row) for row in rows if int(row[0]) == pgid and not row[2].startswith("Z")]
 
 
+def group_process_names(pgid: int) -> dict[int, str]:
+    """pid -> name (`/proc/<pid>/comm`) of the processes in group `pgid`."""
+    names = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/comm") as comm:
+                    names[int(pid)] = comm.read().strip()
+        except OSError:  # gone meanwhile
+            pass
+    return names
+
+
 def hf_greedy(model: torch.nn.Module, prompts_P, max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Transformers greedy tokens and their raw log-probs per prompt (`eos_token_id=[]` is vLLM's ignore_eos)."""
     tokens_P, logprobs_P = [], []

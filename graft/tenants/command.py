@@ -107,7 +107,7 @@ async def served_tenants(url: str | Sequence[str], model_dir: Path, *, api_key: 
 async def _serve(args: argparse.Namespace, users: Users, model_dir: Path, ranked=None) -> None:
     import uvicorn
 
-    from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
+    from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, split_cores
     from graft.tenants.api import build_app
 
     with contextlib.ExitStack() as stack:
@@ -116,10 +116,12 @@ async def _serve(args: argparse.Namespace, users: Users, model_dir: Path, ranked
             print(f"graft: starting {args.engines} vLLM server(s) for {model_dir} (each ~30-70 s on CPU)",
                   file=sys.stderr, flush=True)
             engine_key = os.environ[ENGINE_KEY_ENV] = secrets.token_hex(24)
-            for _ in range(args.engines):
+            # One server keeps vLLM's own binding; several each get their own cores.
+            shares = [None] if args.engines == 1 else split_cores(args.engines, os.sched_getaffinity(0))
+            for cores in shares:
                 urls.append(stack.enter_context(VllmServer(VllmServerConfig(
                     model=str(model_dir), dtype=args.dtype, max_lora_rank=args.max_rank, max_loras=args.max_loras,
-                    log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV))).url)
+                    log_dir=args.run_dir, api_key_env=ENGINE_KEY_ENV, cpu_cores=cores))).url)
         url = ", ".join(urls)
         async with served_tenants(urls, model_dir, api_key=engine_key, run_dir=args.run_dir,
                                   max_loras=args.max_loras, max_rank=args.max_rank, keep_versions=args.keep_versions,

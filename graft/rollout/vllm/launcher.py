@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
@@ -54,6 +55,8 @@ class VllmServerConfig(ServerConfig):
             where the KV cache is what `gpu_memory_utilization` leaves after weights and activations).
         cpu_reserved_cores: Cores vLLM-CPU keeps for its front end and scheduler, off generation
             (`VLLM_CPU_NUM_OF_RESERVED_CPU`); None keeps vLLM's default (one; not passed with CUDA).
+        cpu_cores: The cores vLLM-CPU's worker generates on (`VLLM_CPU_OMP_THREADS_BIND`); None keeps
+            vLLM's automatic choice, which is the same for every server on a host (`split_cores`).
         gpu_memory_utilization: Fraction of the GPU's memory vLLM may take (`--gpu-memory-utilization`,
             only with CUDA); None keeps vLLM's default (0.92), which leaves a trainer on the same GPU
             little, and vLLM refuses to start when less than that fraction is free.
@@ -77,6 +80,7 @@ class VllmServerConfig(ServerConfig):
     tensor_parallel_size: int = 1
     kv_cache_gib: int = 1
     cpu_reserved_cores: int | None = None
+    cpu_cores: tuple[int, ...] | None = None
     gpu_memory_utilization: float | None = None
     dev_endpoints: bool = False
     api_key_env: str | None = None
@@ -113,6 +117,20 @@ def exposure_warning(config: VllmServerConfig) -> str | None:
     advice = (f"/v1 requests need the API key from {key}" if key is not None else
               "no API key is set: pass --api-key-env NAME or set VLLM_API_KEY")
     return f"vLLM on {config.host} is reachable from the network with {', '.join(exposed)}; {advice}"
+
+
+def split_cores(servers: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each of `servers` vLLM-CPU servers on one host its own contiguous share of `cores` (the first
+    shares one larger where they do not divide), or, with fewer cores than servers, one core each in
+    turn. vLLM-CPU's automatic binding picks the same cores in every server (its worker's cores are
+    the host's less the last one: measured, two servers launched side by side on 2 cores both
+    generated on core 0)."""
+    cores = sorted(cores)
+    if servers > len(cores):
+        return [(cores[i % len(cores)],) for i in range(servers)]
+    size, larger = divmod(len(cores), servers)
+    starts = [i * size + min(i, larger) for i in range(servers + 1)]
+    return [tuple(cores[starts[i]:starts[i + 1]]) for i in range(servers)]
 
 
 class VllmServer(ServerProcess):
@@ -170,6 +188,7 @@ class VllmServer(ServerProcess):
         return {
             "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib),
             **({} if c.cpu_reserved_cores is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(c.cpu_reserved_cores)}),
+            **({} if c.cpu_cores is None else {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, c.cpu_cores))}),
             LORA_OPS_ENV: c.lora_ops,
         }
 

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from graft.rollout.vllm.server.fork_start import bound_cores
+from tests.helpers import group_process_names
 
 
 @pytest.mark.parametrize("environ, cores", [
@@ -19,19 +20,6 @@ def test_the_cores_vllm_chose_are_read_from_what_it_sets_for_each_openmp_runtime
     assert bound_cores(environ) == cores
 
 
-def _group_processes(pgid: int) -> dict[int, str]:
-    """pid -> process name of the processes in group `pgid`."""
-    names = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(pid)) == pgid:
-                with open(f"/proc/{pid}/comm") as comm:
-                    names[int(pid)] = comm.read().strip()
-        except (OSError, ProcessLookupError):  # gone meanwhile
-            pass
-    return names
-
-
 @pytest.mark.vllm
 def test_the_forked_worker_runs_on_the_cores_vllm_chose_for_it(vllm_server):
     """Unbound, the forked worker ran its OpenMP threads on both cores beside the engine core's busy
@@ -39,6 +27,6 @@ def test_the_forked_worker_runs_on_the_cores_vllm_chose_for_it(vllm_server):
     log = vllm_server.log_path.read_text()
     assert "fork_start" in next(line for line in log.splitlines() if line.startswith("graft patches applied:"))
     chosen = {int(core) for core in re.search(r"core ids=\[([\d, ]+)\]", log).group(1).split(",")}
-    workers = [pid for pid, name in _group_processes(vllm_server.pid).items() if name.startswith("VLLM::Worker")]
-    assert len(workers) == 1, _group_processes(vllm_server.pid)
+    workers = [pid for pid, name in group_process_names(vllm_server.pid).items() if name.startswith("VLLM::Worker")]
+    assert len(workers) == 1, group_process_names(vllm_server.pid)
     assert os.sched_getaffinity(workers[0]) == chosen
