@@ -58,6 +58,9 @@ BENCHES = {
     "tenants": Bench("graft.bench.tenants", "tenants' LoRA adapters trained in shared batches on one base vs one "
                                             "tenant alone: trained tokens/s (aggregate_over_single), how far each "
                                             "tenant ends from its solo run (isolation_max_rel_diff), memory added."),
+    "placement": Bench("graft.bench.placement", "a Tinker service's tenants on two vLLM servers: every tenant's versions "
+                                                "on every server (graft) vs each tenant on one; publish seconds, "
+                                                "tokens/s with all tenants sampling and with one alone."),
     "cookbook": Bench("graft.bench.cookbook", "tinker-cookbook's own RL recipe (math_rl, env=arithmetic) run by "
                                               "several tenants at once against graft's Tinker service on a real "
                                               "model: each tenant's reward per step, shared passes; cookbook.png."),

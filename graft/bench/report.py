@@ -25,7 +25,7 @@ from graft.bench.report_parts import TABLES as PART_TABLES
 from graft.bench.report_runs import TABLES as RUN_TABLES
 from graft.bench.results import RESULTS_DIR, ROOT, add, load_results
 
-DOCS = ("README.md", "docs/benchmarks.md")
+DOCS = ("README.md", "docs/benchmarks.md", "docs/tenants.md")
 BLOCK = re.compile(r"(?P<open><!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- /results:(?P=name) -->)",
                    re.S)
 TABLES = {**RUN_TABLES, **PART_TABLES}

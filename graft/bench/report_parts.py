@@ -200,6 +200,15 @@ def tenants(kept: list[dict]) -> list[str]:
                   "batch-invariant", "isolation: invariant / default", "tenants' state / base"], rows)
 
 
+def placement(kept: list[dict]) -> list[str]:
+    """A Tinker service's tenants on two vLLM servers, per layout: publish seconds, tokens/s with every
+    tenant sampling and with one alone."""
+    rows = [[f"{r['tenants']} tenants, cores {r['server_cores']}", label, f"{r[f'{layout}_publish_s']:.3f}",
+             f"{r[f'{layout}_all_tokens_per_s']:.0f}", f"{r[f'{layout}_alone_tokens_per_s']:.0f}"]
+            for r in (run["result"] for run in kept) for layout, label in r["layouts"].items()]
+    return table(["servers", "layout", "publish s", "all tenants: tokens/s", "one tenant alone: tokens/s"], rows)
+
+
 TABLES = {
     "sync": (("sync",), sync),
     "sync-stall": (("sync-stall",), sync_stall),
@@ -212,4 +221,5 @@ TABLES = {
     "memory": (("memory-2", "memory-24"), memory),
     "update": (("update", "update-bf16", "update-fp32"), update),
     "tenants": (("tenants",), tenants),
+    "placement": (("placement",), placement),
 }
