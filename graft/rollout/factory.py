@@ -142,9 +142,11 @@ async def open_engine(config: GraftConfig, run_dir: str | Path, *,
         urls, server = list(rollout.urls), None
         if not urls:
             server = launched_server(config, run_dir, syncs)
-            # Told, not silent: on 2 CPU cores a server takes 30-70 s to answer (SmolLM2), more for a larger model.
+            # Told, not silent: on 2 idle CPU cores vLLM answers after 12.5 s (SmolLM2), SGLang after a minute
+            # or more; longer under load or for a larger model.
+            took = "~15-40 s" if rollout.engine == "vllm" else "a minute or so"
             print(f"graft: starting a {rollout.engine} server for {config.model.path} (its log in "
-                  f"{server.config.log_dir}); it takes a minute or so on CPU cores", file=sys.stderr, flush=True)
+                  f"{server.config.log_dir}); it takes {took} on CPU cores", file=sys.stderr, flush=True)
             try:
                 await asyncio.to_thread(server.start)
             except BaseException:  # cancelled by Ctrl-C / SIGTERM: the starting thread stops the server

@@ -113,7 +113,7 @@ async def _serve(args: argparse.Namespace, users: Users, model_dir: Path, ranked
     with contextlib.ExitStack() as stack:
         urls, engine_key = list(args.engine_url or ()), None
         if not urls:
-            print(f"graft: starting {args.engines} vLLM server(s) for {model_dir} (each ~30-70 s on CPU)",
+            print(f"graft: starting {args.engines} vLLM server(s) for {model_dir} (each ~15-40 s on CPU)",
                   file=sys.stderr, flush=True)
             engine_key = os.environ[ENGINE_KEY_ENV] = secrets.token_hex(24)
             # One server keeps vLLM's own binding; several each get their own cores.
