@@ -62,13 +62,19 @@ class Frozen(FakeEngine):
 
 
 def test_requests_of_a_dead_member_are_answered_by_the_others(caplog):
-    ok, dying = FakeEngine("ok", delay_s=0.01), Dying("dying", lives=2)
+    ok, dying = FakeEngine("ok", delay_s=0.01), Dying("dying", lives=1)
     pool = EnginePool([ok, dying])
+
+    async def two_calls():  # each sends half its requests to each member, in one call there
+        return await asyncio.gather(pool.generate([request(100 + i) for i in range(6)]),
+                                    pool.generate([request(200 + i) for i in range(6)]))
+
     with caplog.at_level(logging.WARNING, logger="graft.rollout.pool"):
-        out = asyncio.run(pool.generate([request(100 + i) for i in range(12)]))
-    assert [c[0].token_ids[0] for c in out] == [100 + i for i in range(12)]  # every request, in order
-    # Half went there at once: four failed, the two it was still serving were cancelled by the drop.
-    assert dying.started == 6 and dying.served == 0 and ok.served == 12
+        first, second = asyncio.run(two_calls())
+    # every request, in order
+    assert [c[0].token_ids[0] for c in first + second] == [100 + i for i in range(6)] + [200 + i for i in range(6)]
+    # The second call there failed; the drop cancelled the first, which it was still serving.
+    assert dying.started == 2 and dying.served == 0 and ok.served == 12
     assert pool.engines == [ok] and pool.dropped == {"dying": "POST /v1/completions: connection lost"}
     assert [r.getMessage() for r in caplog.records] == [
         "rollout engine dying dropped from the pool, 1 of 2 still live: POST /v1/completions: connection lost"]
@@ -112,10 +118,14 @@ async def _raise(error):
 def test_a_frozen_member_is_probed_once_for_all_its_requests_and_dropped():
     ok, frozen = FakeEngine("ok", delay_s=0.01), Frozen("frozen")
     pool = EnginePool([ok, frozen], probe_after_s=0.1)
-    out = asyncio.run(pool.generate([request(i) for i in range(8)]))
+
+    async def two_calls():
+        return await asyncio.gather(*(pool.generate([request(i) for i in range(4)]) for _ in range(2)))
+
+    out = [answer for call in asyncio.run(two_calls()) for answer in call]
     assert [c[0].text for c in out] == ["ok"] * 8
-    assert frozen.active == 4  # half the requests went there first
-    assert frozen.health_calls == 1  # its 4 waiting requests shared one probe
+    assert frozen.active == 2  # half of each call's requests went there first, in one call each
+    assert frozen.health_calls == 1  # its 2 waiting calls shared one probe
     assert pool.dropped == {"frozen": "no answer to a generation for 0.1 s, then health failed: "
                                       "GET /health: no answer within 0.05 s"}
 
