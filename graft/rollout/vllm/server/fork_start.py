@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 START_METHOD_ENV = "GRAFT_VLLM_START_METHOD"
 
@@ -37,7 +38,7 @@ START_METHOD_ENV = "GRAFT_VLLM_START_METHOD"
 _CORE_LIST_ENVS = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES")
 
 
-def bound_cores(environ: dict[str, str] | os._Environ) -> set[int] | None:
+def bound_cores(environ: Mapping[str, str]) -> set[int] | None:
     """The cores vLLM bound this worker to, read from the variables it sets before starting it;
     None where it bound none (`VLLM_CPU_OMP_THREADS_BIND=nobind`)."""
     for name in _CORE_LIST_ENVS:
