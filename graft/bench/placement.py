@@ -111,7 +111,7 @@ async def measure_placement(urls: list[str], adapters: list[Path], requests: lis
 
 
 def run_placement_bench(tenants: int = 4, hidden: int = 256, layers: int = 4, rank: int = 8, prompts: int = 8,
-                        samples: int = 4, max_new_tokens: int = 64, repeats: int = 5) -> dict:
+                        samples: int = 4, max_new_tokens: int = 64, repeats: int = 10) -> dict:
     """The layouts on two servers of a random Qwen2 (module docstring); medians."""
     shares = split_cores(SERVERS, os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="graft-bench-placement-") as tmp:
@@ -157,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=COUNT, default=4, help="tenants, each its own adapter (default %(default)s)")
     parser.add_argument("--hidden", type=COUNT, default=256, help="model hidden size (default %(default)s)")
     parser.add_argument("--layers", type=COUNT, default=4, help="decoder layers (default %(default)s)")
-    parser.add_argument("--repeats", type=COUNT, default=5, help="rounds, medians reported (default %(default)s)")
+    parser.add_argument("--repeats", type=COUNT, default=10,  # 5 rounds: ratios moved by 0.2 between runs here
+                        help="rounds, medians reported (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:
