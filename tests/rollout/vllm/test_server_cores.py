@@ -2,7 +2,6 @@
 `VllmServerConfig.cpu_cores`): vLLM's automatic binding puts every server's worker on the same ones.
 Two real servers' workers on their shares: tests/bench/test_placement_bench.py."""
 
-
 import pytest
 
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig, split_cores
