@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from graft.bench.rollout import mixed_adapters
+from graft.bench.rollout import generated_tokens, mixed_adapters
 from graft.config.arguments import COUNT
 from graft.models.tiny import build_tiny_model
 from graft.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
@@ -74,8 +74,7 @@ class _Layout:
         """Generated tokens/s of `requests` from each of `tenants` at once, each on its version."""
         start = time.perf_counter()
         answers = await asyncio.gather(*(self.engine(t).generate(requests, adapter=self.served[t]) for t in tenants))
-        seconds = time.perf_counter() - start
-        return sum(len(c.token_ids) for answer in answers for group in answer for c in group) / seconds
+        return generated_tokens(answers) / (time.perf_counter() - start)
 
     async def unload_all(self) -> None:
         for tenant, name in self.served.items():
@@ -128,8 +127,8 @@ def run_placement_bench(tenants: int = 4, hidden: int = 256, layers: int = 4, ra
                 urls = [stack.enter_context(VllmServer(replace(config, cpu_cores=cores))).url for cores in shares]
             measured = asyncio.run(measure_placement(urls, adapters, requests, repeats))
     result = {"model": f"qwen2 hidden={hidden} layers={layers} bf16", "layouts": LAYOUTS, "lora_rank": rank,
-              "tenants": tenants, "servers": SERVERS, "server_cores": [list(cores) for cores in shares], "prompts": prompts,
-              "samples": samples, "max_new_tokens": max_new_tokens, "repeats": repeats}
+              "tenants": tenants, "servers": SERVERS, "server_cores": [list(cores) for cores in shares],
+              "prompts": prompts, "samples": samples, "max_new_tokens": max_new_tokens, "repeats": repeats}
     for layout, values in measured.items():
         result[f"{layout}_publish_s"] = statistics.median(values["publish_s"])
         result[f"{layout}_all_tokens_per_s"] = statistics.median(values["all"])

@@ -34,7 +34,7 @@ from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
 from graft.models.packaged import packaged_model_dir
 from graft.models.tiny import build_tiny_model
-from graft.rollout.engine import GenerateRequest, SamplingParams
+from graft.rollout.engine import Completion, GenerateRequest, SamplingParams
 from graft.rollout.vllm.client import VllmClient
 from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
@@ -60,8 +60,12 @@ async def _tokens_per_s(client: VllmClient, requests: list[GenerateRequest], ada
     start = time.perf_counter()
     batches = by_adapter(requests, adapters)
     completions = await asyncio.gather(*(client.generate(batch, adapter=name) for name, batch in batches.items()))
-    seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for completions_P in completions for group in completions_P for c in group) / seconds
+    return generated_tokens(completions) / (time.perf_counter() - start)
+
+
+def generated_tokens(calls: list[list[list[Completion]]]) -> int:
+    """The tokens generated over several `generate` calls' answers."""
+    return sum(len(c.token_ids) for answers_P in calls for group in answers_P for c in group)
 
 
 async def measure_rollout(url: str, base: Path, adapter: Path, merged: Path, requests: list[GenerateRequest],

@@ -140,12 +140,11 @@ class EnginePool:
         (an HTTP client sends them in one batch request); answers in input order. The requests of a
         member that went down are retried on the others (module docstring); any other engine error
         is raised as is (the other calls of this one are cancelled)."""
-        members = []
-        for _ in requests:  # picked and counted before the first await: requests started together see each other
-            members.append(i := self._pick())
+        # Picked and counted before the first await, so calls started together see each other.
+        by_member: dict[int, list[int]] = {}  # member -> the indices of the requests it got
+        for index in range(len(requests)):
+            i = self._pick()
             self._in_flight[i] += 1
-        by_member: dict[int, list[int]] = {}
-        for index, i in enumerate(members):
             by_member.setdefault(i, []).append(index)
         answers: list[list[Completion]] = [[] for _ in requests]
 
