@@ -6,7 +6,7 @@ when the indices or the weights change; and it is installed over the vLLM this p
 import pytest
 import torch
 
-from graft.rollout.vllm.server import lora_cpu, lora_cpu_linear
+from graft.rollout.vllm.server import lora_cpu, lora_cpu_linear, lora_kernel
 
 punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
 VLLM_ADD_LORA_LINEAR = punica_cpu.PunicaWrapperCPU.add_lora_linear
@@ -74,10 +74,23 @@ def _grouped_ops(monkeypatch):
         monkeypatch.setattr(punica_cpu, name, getattr(lora_cpu, name))
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The add through graft's kernel (bf16, one thread, where it builds) or through torch's products."""
+    if request.param == "torch":
+        monkeypatch.setattr(lora_kernel, "usable", lambda *args: False)
+    elif lora_kernel.load() is None:
+        pytest.skip("graft's LoRA kernel does not build on this host (see test_kernel_builds_where_the_cpu_has_it)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield request.param
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slices", SLICES, ids=list(SLICES))
 @pytest.mark.parametrize("indices", INDICES, ids=list(INDICES))
-def test_add_lora_linear_equals_vllms_wrapper(indices, slices, dtype):
+def test_add_lora_linear_equals_vllms_wrapper(indices, slices, dtype, path):
     ours, vllms = _Wrapper(INDICES[indices]), _VllmWrapper(INDICES[indices])
     ours.add_lora_linear = lora_cpu_linear.add_lora_linear.__get__(ours)
     a, b = _layer(SLICES[slices], dtype)
