@@ -247,4 +247,5 @@ def install() -> bool:
         return False
     VLLM_ADD_LORA_LINEAR, VLLM_ADD_LORA_LOGITS = PunicaWrapperCPU.add_lora_linear, PunicaWrapperCPU.add_lora_logits
     PunicaWrapperCPU.add_lora_linear, PunicaWrapperCPU.add_lora_logits = add_lora_linear, add_lora_logits
+    lora_kernel.load()  # built (or its absence logged) as the server starts, not in its first step
     return True
