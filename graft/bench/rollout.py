@@ -45,6 +45,7 @@ MODES = {"base": "base", "adapter": "adapter (graft's LoRA ops)",
          "mixed_adapters": "adapters mixed in one batch (graft's LoRA ops)",
          "adapter_vllm_ops": "adapter (vLLM's LoRA ops)", "merged": "merged"}
 MIXED_ADAPTERS = 8
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # --dtype -> its name in the report
 MODELS = ("tiny", "smollm2")  # a random Qwen2 of --hidden/--layers; SmolLM2-135M, packaged
 
 
@@ -133,27 +134,28 @@ def mixed_adapters(base: Path, work: Path, rank: int, count: int, dtype: torch.d
     return paths
 
 
-def _base_model(model: str, out: Path, hidden: int, layers: int) -> tuple[Path, str]:
+def _base_model(model: str, out: Path, hidden: int, layers: int, dtype: str) -> tuple[Path, str]:
     """The served model's directory and its name in the report."""
+    short = DTYPES[dtype]
     if model == "smollm2":
-        return packaged_model_dir("smollm2"), "smollm2 (SmolLM2-135M) bf16"
+        return packaged_model_dir("smollm2"), f"smollm2 (SmolLM2-135M) {short}"
     return build_tiny_model(out, arch="qwen2", hidden=hidden, layers=layers, seed=0), \
-        f"qwen2 hidden={hidden} layers={layers} bf16"
+        f"qwen2 hidden={hidden} layers={layers} {short}"
 
 
 def run_rollout_bench(hidden: int = 256, layers: int = 4, rank: int = 8, prompts: int = 16, samples: int = 4,
                       max_new_tokens: int = 64, repeats: int = 5, log_dir: str | None = None, model: str = "tiny",
-                      mixed: int = MIXED_ADAPTERS) -> dict:
+                      mixed: int = MIXED_ADAPTERS, dtype: str = "bfloat16") -> dict:
     """Median generated tokens/s for base, adapter, `mixed` adapters in one batch and merged serving
-    on one bf16 vLLM server (holding `mixed` adapters and the bench's own), the adapter also on a
+    on one vLLM server serving `dtype` (holding `mixed` adapters and the bench's own), the adapter also on a
     second server with vLLM's LoRA ops."""
     with tempfile.TemporaryDirectory(prefix="graft-bench-rollout-") as tmp:
-        base, name = _base_model(model, Path(tmp) / "base", hidden, layers)
-        adapter, merged = prepare_adapter_and_merged(base, Path(tmp), rank, torch.bfloat16)
-        mixed_paths = mixed_adapters(base, Path(tmp), rank, mixed, torch.bfloat16)
+        base, name = _base_model(model, Path(tmp) / "base", hidden, layers, dtype)
+        adapter, merged = prepare_adapter_and_merged(base, Path(tmp), rank, getattr(torch, dtype))
+        mixed_paths = mixed_adapters(base, Path(tmp), rank, mixed, getattr(torch, dtype))
         params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=max_new_tokens, seed=0, ignore_eos=True)
         requests = [GenerateRequest(tuple(range(3 + i, 3 + i + 16)), params) for i in range(prompts)]
-        config = VllmServerConfig(model=str(base), dtype="bfloat16", max_lora_rank=max(8, rank), max_loras=mixed + 1,
+        config = VllmServerConfig(model=str(base), dtype=dtype, max_lora_rank=max(8, rank), max_loras=mixed + 1,
                                   log_dir=log_dir or tmp, dev_endpoints=True)  # reloads merged weights
         with Console(stderr=True).status("starting two vLLM servers, graft's and vLLM's LoRA ops (~15-40 s each)"):
             server = VllmServer(config).start()
@@ -209,6 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=COUNT, default=256, help="model hidden size (default %(default)s)")
     parser.add_argument("--layers", type=COUNT, default=4, help="decoder layers (default %(default)s)")
     parser.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="the served weights' dtype; the quickstarts serve float32 (default %(default)s)")
     parser.add_argument("--repeats", type=COUNT, default=7,
                         help="rounds per side, median reported (default %(default)s)")
 
@@ -216,6 +220,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     """`graft bench rollout`: measure, print the table, return what --json writes."""
     result = run_rollout_bench(hidden=args.hidden, layers=args.layers, rank=args.rank, repeats=args.repeats,
-                               model=args.model)
+                               model=args.model, dtype=args.dtype)
     print_rollout_report(result)
     return result

@@ -381,12 +381,13 @@ def test_vllm_cpu_gets_its_settings_and_no_gpu_memory_flag(monkeypatch):
     args, env = _launch_settings(monkeypatch, cuda=False)
     assert {name: env.get(name) for name in _CPU_ENV} == _CPU_ENV
     assert "--no-enable-chunked-prefill" in args and "--gpu-memory-utilization" not in args
+    assert args[args.index("--block-size") + 1] == "32"  # the prompt's samples share its first blocks
 
 
 def test_a_cuda_vllm_gets_none_of_the_cpu_settings(monkeypatch):
     args, env = _launch_settings(monkeypatch, cuda=True)
     assert not _CPU_ENV.keys() & env.keys()
-    assert "--no-enable-chunked-prefill" not in args  # chunked prefill is vLLM's default there
+    assert "--no-enable-chunked-prefill" not in args and "--block-size" not in args  # vLLM's defaults there
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
     assert args[1:3] == ["-m", SERVER_MODULE] and "--enable-lora" in args  # what every vLLM gets
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env[OWNER_ENV] == str(os.getpid())
@@ -398,3 +399,5 @@ def test_a_cuda_vllm_gets_none_of_the_cpu_settings(monkeypatch):
 def test_gpu_memory_utilization_outside_zero_to_one_is_a_value_error(fraction):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VllmServerConfig(model="m", gpu_memory_utilization=fraction)
+    with pytest.raises(ValueError, match="cpu_block_size=48 must be a multiple of 32"):
+        VllmServerConfig(model="m", cpu_block_size=48)

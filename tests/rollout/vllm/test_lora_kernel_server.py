@@ -26,8 +26,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def bf16_server(base_dir, tmp_path_factory):
-    if lora_kernel.load() is None:
-        pytest.skip("graft's LoRA kernel does not build on this host")
+    if lora_kernel.function(torch.bfloat16) is None:
+        pytest.skip("graft's bf16 LoRA kernel does not build on this host")
     config = VllmServerConfig(model=str(base_dir), dtype="bfloat16", max_lora_rank=8, max_loras=3,
                               log_dir=tmp_path_factory.mktemp("vllm-bf16-logs"))
     with VllmServer(config) as server:

@@ -42,12 +42,13 @@ FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ARGUMENTS = [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
               _POINTER, ctypes.c_float]
+_FUNCTIONS = {torch.bfloat16: "graft_lora_add_bf16", torch.float32: "graft_lora_add_f32"}
 log = logging.getLogger(__name__)
 
 
 @functools.cache
-def load() -> Callable | None:
-    """The kernel's C function, built on first use in this host's cache; None where it cannot be built
+def load() -> ctypes.CDLL | None:
+    """The kernel's library, built on first use in this host's cache; None where it cannot be built
     (logged once with the compiler's message)."""
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()
@@ -57,9 +58,20 @@ def load() -> Callable | None:
         if error:
             log.warning("graft: LoRA kernel not built (%s); LoRA layers take torch's path", error)
             return None
-    function = ctypes.CDLL(str(library)).graft_lora_add_bf16
-    function.argtypes, function.restype = _ARGUMENTS, None
-    return function
+    return ctypes.CDLL(str(library))
+
+
+@functools.cache
+def function(dtype: torch.dtype) -> Callable | None:
+    """The kernel's C function for `dtype` (bf16: needs AVX-512 BF16, fp32: AVX-512F); None where this
+    host's build has none."""
+    library = load()
+    name = _FUNCTIONS.get(dtype)
+    if library is None or name is None or not hasattr(library, name):
+        return None
+    kernel = getattr(library, name)
+    kernel.argtypes, kernel.restype = _ARGUMENTS, None
+    return kernel
 
 
 def _build(compiler: str, library: Path) -> str | None:
@@ -90,31 +102,41 @@ def _cpu_flags() -> bytes:
 
 
 def usable(x_NI: torch.Tensor, y_NO: torch.Tensor, rank: int) -> bool:
-    """The kernel takes this call: bf16 rows of unit stride, an even rank, one thread, and it is built."""
-    return (x_NI.dtype == y_NO.dtype == torch.bfloat16 and x_NI.stride(1) == y_NO.stride(1) == 1
-            and rank % 2 == 0 and torch.get_num_threads() == 1 and load() is not None)
+    """The kernel takes this call: rows of unit stride in one dtype it has, one thread, in bf16 an even
+    rank (its pair layout)."""
+    return (x_NI.dtype == y_NO.dtype and x_NI.stride(1) == y_NO.stride(1) == 1
+            and (rank % 2 == 0 or x_NI.dtype != torch.bfloat16) and torch.get_num_threads() == 1
+            and function(x_NI.dtype) is not None)
 
 
-def pair_weights(b_SOR: torch.Tensor) -> torch.Tensor:
-    """B in the kernel's pair layout, [S, P, O, 2] (element [s, p, o, k] = B[s][o, 2p + k]); built once
-    per adapter load (cached on `b_SOR`, which graft rebuilds on a load)."""
-    pairs = getattr(b_SOR, "_graft_pairs", None)
-    if pairs is None:
+def expand_weights(b_SOR: torch.Tensor) -> torch.Tensor:
+    """B as the kernel reads it, built once per adapter load (cached on `b_SOR`, which graft rebuilds on
+    a load): bf16 in pairs, [S, R/2, O, 2] (element [s, p, o, k] = B[s][o, 2p + k]); fp32 transposed,
+    [S, R, O]."""
+    expand = getattr(b_SOR, "_graft_expand", None)
+    if expand is None:
         slots, outputs, ranks = b_SOR.shape
-        pairs = b_SOR._graft_pairs = b_SOR.view(slots, outputs, ranks // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return pairs
+        if b_SOR.dtype == torch.bfloat16:
+            expand = b_SOR.view(slots, outputs, ranks // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            expand = b_SOR.transpose(1, 2).contiguous()
+        b_SOR._graft_expand = expand
+    return expand
 
 
 def add(y_NO: torch.Tensor, x_NI: torch.Tensor, a_SRI: torch.Tensor, b_SOR: torch.Tensor, rows_N: torch.Tensor,
         slots_N: torch.Tensor, output_slices: tuple[int, ...], scale: float) -> None:
-    """y_NO[n] += B[s] @ bf16(scale * A[s] @ x_NI[n]) for every n in `rows_N` (int64), s = slots_N[n]
-    (int64), in place; A and B as `stacked_weights` in lora_cpu_linear builds them."""
+    """y_NO[n] += B[s] @ (scale * A[s] @ x_NI[n]) for every n in `rows_N` (int64), s = slots_N[n]
+    (int64), in place (in bf16 the rank-sized product rounded to bf16); A and B as `stacked_weights` in
+    lora_cpu_linear builds them, in x's dtype."""
     assert a_SRI.is_contiguous() and rows_N.is_contiguous() and slots_N.is_contiguous()
     assert rows_N.dtype == slots_N.dtype == torch.int64 and slots_N.numel() <= x_NI.shape[0]
+    assert a_SRI.dtype == b_SOR.dtype == x_NI.dtype == y_NO.dtype
     offsets = out_offsets(tuple(output_slices))
-    load()(x_NI.data_ptr(), x_NI.stride(0), y_NO.data_ptr(), y_NO.stride(0), a_SRI.data_ptr(),
-           pair_weights(b_SOR).data_ptr(), rows_N.data_ptr(), slots_N.data_ptr(), rows_N.numel(), x_NI.shape[1],
-           a_SRI.shape[1] // len(output_slices), len(output_slices), offsets.data_ptr(), scale)
+    function(x_NI.dtype)(x_NI.data_ptr(), x_NI.stride(0), y_NO.data_ptr(), y_NO.stride(0), a_SRI.data_ptr(),
+                         expand_weights(b_SOR).data_ptr(), rows_N.data_ptr(), slots_N.data_ptr(), rows_N.numel(),
+                         x_NI.shape[1], a_SRI.shape[1] // len(output_slices), len(output_slices), offsets.data_ptr(),
+                         scale)
 
 
 @functools.cache

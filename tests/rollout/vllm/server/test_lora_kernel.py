@@ -1,7 +1,8 @@
 """graft's LoRA kernel: at the bench's and SmolLM2's layer shapes, with 8 adapters mixed and tokens
-without one, it gives what the same sums in fp32 give, rounded where vLLM's ops round (the rank-sized
-product, then the output), to one bf16 step; it is built where the CPU has AVX-512 BF16, and where it
-cannot be built the server goes on without it, saying why."""
+without one, in bf16 and fp32, it gives what the same sums in fp32 give, rounded where vLLM's ops
+round (in bf16 the rank-sized product, then the output), to one bf16 step or fp32's rounding; it is
+built where the CPU has AVX-512 (bf16: AVX-512 BF16), and where it cannot be built the server goes
+on without it, saying why."""
 
 import logging
 
@@ -20,9 +21,9 @@ SHAPES = {  # in features, the slices' out features: q/k/v and gate/up of each
 SLOTS, RANK, TOKENS = 9, 8, 64
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as info:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in info)
+        return next((set(line.split()) for line in info if line.startswith("flags")), set())
 
 
 @pytest.fixture
@@ -32,41 +33,48 @@ def kernel():
     return lora_kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_kernel_equals_fp32_sums_rounded_as_vllm_rounds(kernel, shape):
+def test_kernel_equals_fp32_sums_rounded_as_vllm_rounds(kernel, shape, dtype):
+    if kernel.function(dtype) is None:
+        pytest.skip(f"this host's build has no {dtype} kernel")
     in_features, slices = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
-    a = tuple(torch.randn(SLOTS, 1, RANK, in_features, generator=gen).bfloat16() * 0.05 for _ in slices)
-    b = tuple(torch.randn(SLOTS, 1, out, RANK, generator=gen).bfloat16() * 0.05 for out in slices)
-    x_NI = torch.randn(TOKENS, in_features, generator=gen).bfloat16()
-    y_NO = torch.randn(TOKENS, sum(slices) + 7, generator=gen).bfloat16()  # the layer's output is wider
+    a = tuple((torch.randn(SLOTS, 1, RANK, in_features, generator=gen) * 0.05).to(dtype) for _ in slices)
+    b = tuple((torch.randn(SLOTS, 1, out, RANK, generator=gen) * 0.05).to(dtype) for out in slices)
+    x_NI = torch.randn(TOKENS, in_features, generator=gen).to(dtype)
+    y_NO = torch.randn(TOKENS, sum(slices) + 7, generator=gen).to(dtype)  # the layer's output is wider
     slots_N = torch.arange(TOKENS) % SLOTS - 1  # 8 adapters and -1
-    a_SRI, b_SOR = lora_cpu_linear.stacked_weights(a, b, torch.bfloat16)
+    a_SRI, b_SOR = lora_cpu_linear.stacked_weights(a, b, dtype)
     rows_N = torch.argsort(slots_N, stable=True)[(slots_N < 0).sum():]
     got_NO = y_NO.clone()
     kernel.add(got_NO[:, :sum(slices)], x_NI, a_SRI, b_SOR, rows_N, slots_N, slices, 0.5)
 
     used_N = slots_N >= 0
-    shrunk_NR = (0.5 * torch.einsum("ni,nri->nr", x_NI[used_N].float(), a_SRI[slots_N[used_N]].float())).bfloat16()
+    shrunk_NR = (0.5 * torch.einsum("ni,nri->nr", x_NI[used_N].float(), a_SRI[slots_N[used_N]].float())).to(dtype)
     delta_NO = torch.einsum("nr,nor->no", shrunk_NR.float(), b_SOR[slots_N[used_N]].float())
     want_NO = y_NO.clone()
-    want_NO[used_N, :sum(slices)] = (y_NO[used_N, :sum(slices)].float() + delta_NO).bfloat16()
+    want_NO[used_N, :sum(slices)] = (y_NO[used_N, :sum(slices)].float() + delta_NO).to(dtype)
     assert torch.equal(got_NO[~used_N], y_NO[~used_N]), "a token without an adapter was changed"
     assert torch.equal(got_NO[:, sum(slices):], y_NO[:, sum(slices):]), "wrote past the layer's slices"
-    # One bf16 step (8 bits of mantissa) of the result: the sums' order differs from torch's.
-    torch.testing.assert_close(got_NO.float(), want_NO.float(), rtol=2 ** -7, atol=1e-3)
+    # bf16: one step of its 8-bit mantissa (the sums' order differs from torch's); fp32: rounding.
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got_NO.float(), want_NO.float(), **tolerance)
     changed = got_NO[used_N, :sum(slices)] != y_NO[used_N, :sum(slices)]
     assert changed.float().mean() > 0.9, "the LoRA add left most outputs as they were"
 
 
 def test_kernel_builds_where_the_cpu_has_it():
-    assert (lora_kernel.load() is not None) == _cpu_has_avx512_bf16()
+    flags = _cpu_flags()
+    assert (lora_kernel.function(torch.float32) is not None) == ("avx512f" in flags)
+    assert (lora_kernel.function(torch.bfloat16) is not None) == ({"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
 
 
 def test_kernel_not_built_is_said_once_and_the_torch_path_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
     lora_kernel.load.cache_clear()
+    lora_kernel.function.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=lora_kernel.__name__):
             assert lora_kernel.load() is None and lora_kernel.load() is None
@@ -76,3 +84,4 @@ def test_kernel_not_built_is_said_once_and_the_torch_path_runs(monkeypatch, tmp_
         assert not list(tmp_path.rglob("*.so"))
     finally:
         lora_kernel.load.cache_clear()
+        lora_kernel.function.cache_clear()
