@@ -24,13 +24,15 @@ def test_each_prompt_goes_to_one_adapter_in_turn():
         "a": [(0,), (2,), (4,)], "b": [(1,), (3,)]}
 
 
-def test_model_flag_chooses_the_packaged_smollm2_or_the_random_shape():
+def test_model_and_dtype_flags_choose_the_served_model_and_its_dtype():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert parser.parse_args([]).model == "tiny"
+    assert (parser.parse_args([]).model, parser.parse_args([]).dtype) == ("tiny", "bfloat16")
     assert parser.parse_args(["--model", "smollm2"]).model == "smollm2"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--model", "gpt2"])
+    assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"  # what the quickstarts serve
+    for wrong in (["--model", "gpt2"], ["--dtype", "float16"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(wrong)
 
 
 @pytest.mark.vllm

@@ -1,20 +1,21 @@
 """graft's LoRA kernel for vLLM-CPU (lora_kernel.c): a layer's LoRA add for every token through its own
-adapter in one call, bf16, on hosts with AVX-512 BF16; used by graft's `add_lora_linear`
+adapter in one call, in bf16 (AVX-512 BF16) and fp32 (AVX-512F); used by graft's `add_lora_linear`
 (lora_cpu_linear) where the worker runs one thread.
 
 Why a kernel: with several adapters in a step, the torch path gathers each adapter's tokens, pads
 them to the largest group, runs two batched products and gathers back; on one thread at the bench's
-q/k/v (64 tokens, 8 adapters, r=8) that is 100-150 us a layer against 40 us for one adapter through
-oneDNN. The kernel takes each token's two products from its own slot's weights, with AVX-512 BF16's
-dot-product instruction and the add into the layer's output in one pass: 27 us there, 10-58 us at
-every layer shape of the bench and SmolLM2, whether 1 or 8 adapters, and at 512 tokens still at or
-below oneDNN's one-adapter product (measured on this project's 2-core EPYC, one thread). It is one
-thread: with more, torch's paths split the work over them and are kept.
+q/k/v (64 tokens, 8 adapters, r=8, bf16) that is ~100 us a layer against ~40 us for one adapter
+through oneDNN. The kernel takes each token's two products from its own slot's weights and adds
+into the layer's output in one pass: 26 us there, whether 1 or 8 adapters (bf16's dot-product
+instruction takes 32 multiply-adds at once), and in fp32 1.5-2x faster than the torch path with 8
+adapters, about as fast with one (measured on this project's 2-core EPYC, one thread; the table in
+docs/rollout-profile.md). It is one thread: with more, torch's paths split the work over them and
+are kept.
 
 Built once per host with the system C compiler (`$CC`, else cc) and `-march=native`, cached under
 `$GRAFT_CACHE/kernels` by a hash of the source, the compiler command and the CPU's flags, and loaded
 with ctypes (no torch extension: nothing to rebuild when torch changes). Where it cannot be built (no
-compiler, no AVX-512 BF16) graft's torch path runs and the server's log says why, once.
+compiler, no AVX-512) graft's torch path runs and the server's log says why, once.
 
 Shape suffixes: see graft/__init__.py (``N`` tokens, ``S`` adapter slots, ``I``/``O`` features, ``R``
 the rank times the layer's slices, ``P`` rank pairs).
