@@ -7,9 +7,9 @@ every call: about 20 tensor ops per slice. Measured inside the server (docs/roll
 per-call work, not the LoRA products, was the adapter's extra time. Here a layer's slices share one
 shrink (their A matrices side by side) and one expand (their B matrices block-diagonal, added into
 the layer's output in place), the stacked weights are built in the compute dtype once per adapter
-load, and the grouping of the step's tokens by slot is computed once per step. In bf16 on one
-thread the two products and the add are one call of graft's kernel (lora_kernel: every token through
-its own slot, whatever the mix); elsewhere they are torch's products, batched over the slots used. Its
+load, and the grouping of the step's tokens by slot is computed once per step. On one thread the
+two products and the add are one call of graft's kernel (lora_kernel, bf16 and fp32: every token
+through its own slot, whatever the mix); elsewhere torch's products, batched over the slots used. Its
 `add_lora_logits` skips the logits LoRA where no sampled row's adapter has an lm_head module.
 
 Results equal vLLM's to float rounding (the same products; the slices' sums in another order), but
