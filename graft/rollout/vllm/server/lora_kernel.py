@@ -3,7 +3,7 @@ adapter in one call, in bf16 (AVX-512 BF16) and fp32 (AVX-512F); used by graft's
 (lora_cpu_linear) where the worker runs one thread.
 
 Why a kernel: with several adapters in a step, the torch path gathers each adapter's tokens, pads
-them to the largest group, runs two batched products and gathers back; on one thread at the bench's
+them to the largest group, runs two batched products and gathers back; on one thread at a hidden-256
 q/k/v (64 tokens, 8 adapters, r=8, bf16) that is ~100 us a layer against ~40 us for one adapter
 through oneDNN. The kernel takes each token's two products from its own slot's weights and adds
 into the layer's output in one pass: 26 us there, whether 1 or 8 adapters (bf16's dot-product
