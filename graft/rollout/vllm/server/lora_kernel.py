@@ -77,19 +77,19 @@ def function(dtype: torch.dtype) -> Callable | None:
 
 def _build(compiler: str, library: Path) -> str | None:
     """Compile the source into `library` (written whole, then renamed: a concurrent start never loads
-    half a file); the reason on failure."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = Path(scratch) / library.name
-        try:
+    half a file); the reason on failure (a cache it cannot write included)."""
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+            built = Path(scratch) / library.name
             done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True,
                                   text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{compiler}: {exc}"
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            return lines[0].strip() if lines else f"{compiler} exited {done.returncode}"
-        os.replace(built, library)
+            if done.returncode != 0:
+                lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                return lines[0].strip() if lines else f"{compiler} exited {done.returncode}"
+            os.replace(built, library)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{compiler}: {exc}"
     return None
 
 

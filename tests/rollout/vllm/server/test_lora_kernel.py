@@ -70,9 +70,14 @@ def test_kernel_builds_where_the_cpu_has_it():
     assert (lora_kernel.function(torch.bfloat16) is not None) == ({"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
 
 
-def test_kernel_not_built_is_said_once_and_the_torch_path_runs(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", "false")  # a compiler that fails
-    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
+@pytest.mark.parametrize("cause", ["a failing compiler", "a cache it cannot write"])
+def test_kernel_not_built_is_said_once_and_the_torch_path_runs(monkeypatch, tmp_path, caplog, cause):
+    if cause == "a failing compiler":
+        monkeypatch.setenv("CC", "false")
+        monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
+    else:
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "file"))  # kernels/ cannot be made under a file
     lora_kernel.load.cache_clear()
     lora_kernel.function.cache_clear()
     try:
