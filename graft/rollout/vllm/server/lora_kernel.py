@@ -52,14 +52,16 @@ def load() -> ctypes.CDLL | None:
     """The kernel's library, built on first use in this host's cache; None where it cannot be built
     (logged once with the compiler's message)."""
     compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()
-    library = default_cache_dir() / "kernels" / f"lora_kernel-{digest[:16]}.so"
-    if not library.exists():
-        error = _build(compiler, library)
-        if error:
-            log.warning("graft: LoRA kernel not built (%s); LoRA layers take torch's path", error)
-            return None
-    return ctypes.CDLL(str(library))
+    try:
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags())
+        library = default_cache_dir() / "kernels" / f"lora_kernel-{digest.hexdigest()[:16]}.so"
+        error = None if library.exists() else _build(compiler, library)
+        if error is None:
+            return ctypes.CDLL(str(library))
+    except OSError as exc:  # the source missing from an install, a library that does not load
+        error = str(exc)
+    log.warning("graft: LoRA kernel not built (%s); LoRA layers take torch's path", error)
+    return None
 
 
 @functools.cache
