@@ -50,6 +50,8 @@ class StepSlots:
         positions_N: Each token's position in the flattened `rows_KM` (0 for a token without one).
         none_N1: True for tokens without an adapter; None where every token has one.
         rows_N: The rows of the tokens with an adapter, by slot (the kernel's order).
+        row_slots_N: The slot of each of `rows_N` (what the kernel reads, beside the rows it checks them
+            with: never vLLM's buffer, which a later step rewrites).
     """
 
     slot: int | None
@@ -58,6 +60,7 @@ class StepSlots:
     positions_N: torch.Tensor | None = None
     none_N1: torch.Tensor | None = None
     rows_N: torch.Tensor | None = None
+    row_slots_N: torch.Tensor | None = None
 
     @property
     def no_lora(self) -> bool:
@@ -74,7 +77,8 @@ def group_slots(indices_N: torch.Tensor) -> StepSlots:
     if slots_K.numel() == 0:
         return NO_LORA
     if slots_K.numel() == 1 and bool(used_N.all()):
-        return StepSlots(int(slots_K[0]), rows_N=torch.arange(indices_N.numel()))
+        rows_N = torch.arange(indices_N.numel())
+        return StepSlots(int(slots_K[0]), rows_N=rows_N, row_slots_N=torch.full_like(rows_N, int(slots_K[0])))
     rows = torch.argsort(indices_N, stable=True)[int((~used_N).sum()):]  # by slot, -1 rows dropped
     starts_K = torch.cumsum(counts_K, 0) - counts_K
     slot_of = torch.repeat_interleave(torch.arange(slots_K.numel()), counts_K)
@@ -84,7 +88,7 @@ def group_slots(indices_N: torch.Tensor) -> StepSlots:
     positions_N = torch.zeros_like(indices_N)
     positions_N[rows] = slot_of * rows_KM.shape[1] + position
     none_N1 = None if bool(used_N.all()) else (~used_N).unsqueeze(1)
-    return StepSlots(None, slots_K, rows_KM, positions_N, none_N1, rows)
+    return StepSlots(None, slots_K, rows_KM, positions_N, none_N1, rows, indices_N[rows])
 
 
 def step_slots(wrapper) -> StepSlots:
@@ -171,8 +175,7 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
     a_SRI, b_SOR = stacked_weights(lora_a_stacked, lora_b_stacked, x.dtype)
     y_NO = y.view(-1, y.shape[-1])[:, :b_SOR.shape[1]]
     x_NI = x.view(-1, x.shape[-1])
-    if lora_kernel.usable(x_NI, y_NO, lora_a_stacked[0].shape[2]):
-        lora_kernel.add(y_NO, x_NI, a_SRI, b_SOR, slots.rows_N, self.token_lora_indices, output_slices, scale)
+    if lora_kernel.add(y_NO, x_NI, a_SRI, b_SOR, slots.rows_N, slots.row_slots_N, output_slices, scale):
         return
     if slots.slot is not None:
         shrink, expand = slot_products(a_SRI, b_SOR, slots.slot)

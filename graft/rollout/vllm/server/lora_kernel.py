@@ -12,10 +12,21 @@ adapters, about as fast with one (measured on this project's 2-core EPYC, one th
 docs/rollout-profile.md). It is one thread: with more, torch's paths split the work over them and
 are kept.
 
-Built once per host with the system C compiler (`$CC`, else cc) and `-march=native`, cached under
-`$GRAFT_CACHE/kernels` by a hash of the source, the compiler command and the CPU's flags, and loaded
-with ctypes (no torch extension: nothing to rebuild when torch changes). Where it cannot be built (no
-compiler, no AVX-512) graft's torch path runs and the server's log says why, once.
+Built once per host with the system C compiler (`$CC`, else cc), for the instructions it uses: each
+function names its own (fp32: AVX-512F and FMA; bf16: AVX-512F/BW/VL and AVX-512 BF16), never
+`-march=native`, which compiled for everything the build host advertised. Cached under
+`$GRAFT_CACHE/kernels` by a hash of the source and the compiler command; loaded with ctypes (no torch
+extension: nothing to rebuild when torch changes). Before a process uses it, the kernel's own probe runs
+in a child process: what this CPU has and its OS enables (cpuid, XCR0), and each function it has on a
+small exact case. So a cache moved between hosts, or a VM that lists an instruction it does not run,
+costs a child, not a server. Where it cannot be built or a function fails its probe graft's torch path
+runs, and the server's log says why, once.
+
+A call cannot take a server down (lora_kernel.c): its shapes, dtypes and strides are proven here, its rows
+and slots in C before anything is written; a call not proven is refused (the torch path takes it, said
+once). A fault inside the kernel (an instruction the CPU refuses included) is caught there: the rows it
+had not finished are added by torch, the fault is logged with its place and instruction bytes, and the
+kernel is off for the rest of the process.
 
 Shape suffixes: see graft/__init__.py (``N`` tokens, ``S`` adapter slots, ``I``/``O`` features, ``R``
 the rank times the layer's slices, ``P`` rank pairs).
@@ -29,9 +40,12 @@ import hashlib
 import itertools
 import logging
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,52 +53,64 @@ import torch
 from graft.models.cache import default_cache_dir
 
 SOURCE = Path(__file__).with_name("lora_kernel.c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
-_ARGUMENTS = [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
-              _POINTER, ctypes.c_float]
+FLAGS = ["-O3", "-shared", "-fPIC"]  # the instructions are named per function in the source
+SANITIZE_ENV = "GRAFT_LORA_KERNEL_SANITIZE"  # "1": built with ASan and UBSan (the suite's sanitizer run)
+SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+HAS_FP32, HAS_BF16 = 1, 2  # lora_kernel.c's feature bits
+_BITS = {torch.float32: HAS_FP32, torch.bfloat16: HAS_BF16}
 _FUNCTIONS = {torch.bfloat16: "graft_lora_add_bf16", torch.float32: "graft_lora_add_f32"}
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_ARGUMENTS = [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT,
+              _INT, _POINTER, ctypes.c_float]
+# The child's exit status: the functions that passed, and (shifted by 2) those the host has.
+_PROBE = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+          "sys.exit(lib.graft_lora_self_test() | lib.graft_lora_host_features() << 2)")
 log = logging.getLogger(__name__)
+_said: set[str] = set()
+
+
+@dataclass
+class Kernel:
+    """The loaded library and its functions that passed the probe, by dtype (emptied after a fault)."""
+
+    library: ctypes.CDLL
+    functions: dict[torch.dtype, Callable]
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel's library, built on first use in this host's cache; None where it cannot be built
-    (logged once with the compiler's message)."""
+def load() -> Kernel | None:
+    """The kernel, built on first use in this host's cache and probed in a child; None where it cannot be
+    built or no function passed (logged once with the reason)."""
     compiler = os.environ.get("CC", "cc")
+    flags = FLAGS + (SANITIZE_FLAGS if os.environ.get(SANITIZE_ENV) == "1" else [])
     try:
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags())
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode())
         library = default_cache_dir() / "kernels" / f"lora_kernel-{digest.hexdigest()[:16]}.so"
-        error = None if library.exists() else _build(compiler, library)
+        error = None if library.exists() else _build(compiler, flags, library)
+        passed, error = (0, error) if error else _probe(library)
         if error is None:
-            return ctypes.CDLL(str(library))
+            return _open(library, passed)
     except OSError as exc:  # the source missing from an install, a library that does not load
         error = str(exc)
     log.warning("graft: LoRA kernel not built (%s); LoRA layers take torch's path", error)
     return None
 
 
-@functools.cache
 def function(dtype: torch.dtype) -> Callable | None:
-    """The kernel's C function for `dtype` (bf16: needs AVX-512 BF16, fp32: AVX-512F); None where this
-    host's build has none."""
-    library = load()
-    name = _FUNCTIONS.get(dtype)
-    if library is None or name is None or not hasattr(library, name):
-        return None
-    kernel = getattr(library, name)
-    kernel.argtypes, kernel.restype = _ARGUMENTS, None
-    return kernel
+    """The kernel's C function for `dtype`; None where this host has none that passed its probe (or the
+    kernel faulted in this process)."""
+    kernel = load()
+    return None if kernel is None else kernel.functions.get(dtype)
 
 
-def _build(compiler: str, library: Path) -> str | None:
+def _build(compiler: str, flags: list[str], library: Path) -> str | None:
     """Compile the source into `library` (written whole, then renamed: a concurrent start never loads
     half a file); the reason on failure (a cache it cannot write included)."""
     try:
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
             built = Path(scratch) / library.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True,
+            done = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode != 0:
                 lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
@@ -95,21 +121,65 @@ def _build(compiler: str, library: Path) -> str | None:
     return None
 
 
-def _cpu_flags() -> bytes:
-    """The host's CPU flags line (what -march=native compiles for), so another CPU gets its own build."""
+def _probe(library: Path) -> tuple[int, str | None]:
+    """The functions that passed the kernel's self-test in a child process (HAS_* bits), and why none
+    did: a child killed by an instruction (or anything else) names its signal."""
     try:
-        with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        return b""
+        done = subprocess.run([sys.executable, "-I", "-c", _PROBE, str(library)], capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 0, f"its probe did not run: {exc}"
+    if done.returncode < 0:
+        return 0, f"its probe died of {signal.Signals(-done.returncode).name} on this host"
+    passed, host = done.returncode & 3, done.returncode >> 2
+    for dtype, bit in _BITS.items():
+        if host & bit and not passed & bit:
+            log.warning("graft: LoRA kernel's %s function gave wrong sums in its probe; torch's path runs", dtype)
+    if done.returncode > 15 or not passed:
+        return 0, (f"its probe failed: {done.stderr.strip()[-300:]}" if done.returncode > 15 else
+                   "this CPU (or its OS) has no AVX-512")
+    return passed, None
 
 
-def usable(x_NI: torch.Tensor, y_NO: torch.Tensor, rank: int) -> bool:
-    """The kernel takes this call: rows of unit stride in one dtype it has, one thread, in bf16 an even
-    rank (its pair layout)."""
-    return (x_NI.dtype == y_NO.dtype and x_NI.stride(1) == y_NO.stride(1) == 1
-            and (rank % 2 == 0 or x_NI.dtype != torch.bfloat16) and torch.get_num_threads() == 1
-            and function(x_NI.dtype) is not None)
+def _open(library: Path, passed: int) -> Kernel:
+    """Load the probed library into this process, its fault guard installed, its passing functions typed."""
+    loaded = ctypes.CDLL(str(library))
+    if loaded.graft_lora_install_guard() != 0:
+        raise OSError("its fault handler could not be installed")
+    functions = {}
+    for dtype, name in _FUNCTIONS.items():
+        if passed & _BITS[dtype]:
+            functions[dtype] = getattr(loaded, name)
+            functions[dtype].argtypes, functions[dtype].restype = _ARGUMENTS, ctypes.c_int64
+    loaded.graft_lora_fault.argtypes, loaded.graft_lora_fault.restype = [ctypes.c_char_p, _INT], _INT
+    return Kernel(loaded, functions)
+
+
+def unproven(y_NO: torch.Tensor, x_NI: torch.Tensor, a_SRI: torch.Tensor, expand: torch.Tensor, rows_N: torch.Tensor,
+             slots_N: torch.Tensor, output_slices: tuple[int, ...]) -> str | None:
+    """Why the kernel cannot take this call as the C code reads it (None: it can): one dtype throughout,
+    rows of unit stride, A and B contiguous in the layouts `stacked_weights` and `expand_weights` build
+    with A's inputs x's and B's outputs the slices', int64 rows and slots side by side. Rows and slots in
+    range are checked in C."""
+    dtype, slices = x_NI.dtype, len(output_slices)
+    if not y_NO.dtype == a_SRI.dtype == expand.dtype == dtype:
+        return f"dtypes {x_NI.dtype}, {y_NO.dtype}, {a_SRI.dtype}, {expand.dtype}"
+    if x_NI.dim() != 2 or y_NO.dim() != 2 or x_NI.stride(1) != 1 or y_NO.stride(1) != 1:
+        return "x or y not rows of unit stride"
+    if not (a_SRI.dim() == 3 and a_SRI.is_contiguous() and a_SRI.shape[2] == x_NI.shape[1] and slices > 0
+            and a_SRI.shape[1] % slices == 0):
+        return f"A {tuple(a_SRI.shape)} for x {tuple(x_NI.shape)} and {slices} slices"
+    stacked_rank, out_features = a_SRI.shape[1], sum(output_slices)
+    if dtype == torch.bfloat16 and stacked_rank // slices % 2:
+        return "an odd rank in bf16 (the kernel takes ranks in pairs)"
+    layout = (a_SRI.shape[0], stacked_rank // 2, out_features, 2) if dtype == torch.bfloat16 else \
+        (a_SRI.shape[0], stacked_rank, out_features)
+    if not expand.is_contiguous() or tuple(expand.shape) != layout or y_NO.shape[1] < out_features:
+        return f"B {tuple(expand.shape)} for A {tuple(a_SRI.shape)}, y {tuple(y_NO.shape)} and slices {output_slices}"
+    if not (rows_N.dtype == slots_N.dtype == torch.int64 and rows_N.dim() == slots_N.dim() == 1
+            and rows_N.is_contiguous() and slots_N.is_contiguous() and rows_N.numel() == slots_N.numel()):
+        return "rows and slots not int64 side by side"
+    return None
 
 
 def expand_weights(b_SOR: torch.Tensor) -> torch.Tensor:
@@ -128,18 +198,55 @@ def expand_weights(b_SOR: torch.Tensor) -> torch.Tensor:
 
 
 def add(y_NO: torch.Tensor, x_NI: torch.Tensor, a_SRI: torch.Tensor, b_SOR: torch.Tensor, rows_N: torch.Tensor,
-        slots_N: torch.Tensor, output_slices: tuple[int, ...], scale: float) -> None:
-    """y_NO[n] += B[s] @ (scale * A[s] @ x_NI[n]) for every n in `rows_N` (int64), s = slots_N[n]
-    (int64), in place (in bf16 the rank-sized product rounded to bf16); A and B as `stacked_weights` in
-    lora_cpu_linear builds them, in x's dtype."""
-    assert a_SRI.is_contiguous() and rows_N.is_contiguous() and slots_N.is_contiguous()
-    assert rows_N.dtype == slots_N.dtype == torch.int64 and slots_N.numel() <= x_NI.shape[0]
-    assert a_SRI.dtype == b_SOR.dtype == x_NI.dtype == y_NO.dtype
+        slots_N: torch.Tensor, output_slices: tuple[int, ...], scale: float) -> bool:
+    """y_NO[rows_N[k]] += B[s] @ (scale * A[s] @ x_NI[rows_N[k]]), s = slots_N[k], in place (in bf16 the
+    rank-sized product rounded to bf16); A and B as `stacked_weights` in lora_cpu_linear builds them.
+    False where the kernel did not take the call (none for this dtype, more than one thread, or a call it
+    cannot prove: said once): nothing was written, the caller's torch path adds it."""
+    kernel = function(x_NI.dtype) if torch.get_num_threads() == 1 else None
+    if kernel is None:
+        return False
+    expand = expand_weights(b_SOR)
+    reason = unproven(y_NO, x_NI, a_SRI, expand, rows_N, slots_N, output_slices)
     offsets = out_offsets(tuple(output_slices))
-    function(x_NI.dtype)(x_NI.data_ptr(), x_NI.stride(0), y_NO.data_ptr(), y_NO.stride(0), a_SRI.data_ptr(),
-                         expand_weights(b_SOR).data_ptr(), rows_N.data_ptr(), slots_N.data_ptr(), rows_N.numel(),
-                         x_NI.shape[1], a_SRI.shape[1] // len(output_slices), len(output_slices), offsets.data_ptr(),
-                         scale)
+    done = -1 if reason else kernel(
+        x_NI.data_ptr(), x_NI.stride(0), y_NO.data_ptr(), y_NO.stride(0), a_SRI.data_ptr(), expand.data_ptr(),
+        rows_N.data_ptr(), slots_N.data_ptr(), rows_N.numel(), min(x_NI.shape[0], y_NO.shape[0]), a_SRI.shape[0],
+        x_NI.shape[1], a_SRI.shape[1] // len(output_slices), len(output_slices), offsets.data_ptr(), scale)
+    if done == rows_N.numel():
+        return True
+    if done < 0:
+        _say_once(f"graft: a LoRA call the kernel cannot prove ({reason or 'a row, slot or size out of range'}) "
+                  "takes torch's path")
+        return False
+    _switch_off()
+    add_rows(y_NO, x_NI, a_SRI, b_SOR, rows_N[done:], slots_N[done:], scale)
+    return True
+
+
+def add_rows(y_NO: torch.Tensor, x_NI: torch.Tensor, a_SRI: torch.Tensor, b_SOR: torch.Tensor, rows_N: torch.Tensor,
+             slots_N: torch.Tensor, scale: float) -> None:
+    """The kernel's sums in torch, rounded where it rounds, for the rows a faulted call did not finish."""
+    shrunk_NR = (scale * torch.einsum("ni,nri->nr", x_NI[rows_N].float(), a_SRI[slots_N].float())).to(x_NI.dtype)
+    delta_NO = torch.einsum("nr,nor->no", shrunk_NR.float(), b_SOR[slots_N].float())
+    y_NO[rows_N, :delta_NO.shape[1]] = (y_NO[rows_N, :delta_NO.shape[1]].float() + delta_NO).to(y_NO.dtype)
+
+
+def _switch_off() -> None:
+    """After a fault inside the kernel: log it once, with what the C guard recorded, and use torch's path
+    for the rest of this process."""
+    loaded = load()
+    text = ctypes.create_string_buffer(512)
+    loaded.library.graft_lora_fault(text, len(text))
+    loaded.functions.clear()
+    log.error("graft: LoRA kernel faulted (%s); its unfinished rows were added by torch, and LoRA layers take "
+              "torch's path from now on in this process", text.value.decode())
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
 
 
 @functools.cache

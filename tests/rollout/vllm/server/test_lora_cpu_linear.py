@@ -78,7 +78,7 @@ def _grouped_ops(monkeypatch):
 def path(request, monkeypatch):
     """The add through graft's kernel (bf16, one thread, where it builds) or through torch's products."""
     if request.param == "torch":
-        monkeypatch.setattr(lora_kernel, "usable", lambda *args: False)
+        monkeypatch.setattr(lora_kernel, "add", lambda *args: False)
     elif lora_kernel.load() is None:
         pytest.skip("graft's LoRA kernel does not build on this host (see test_kernel_builds_where_the_cpu_has_it)")
     threads = torch.get_num_threads()
