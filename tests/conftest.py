@@ -25,6 +25,9 @@ from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig  # noqa: E4
 from tests.helpers import kernel_stub_calls, live_group_members  # noqa: E402
 
 ARCHS = ("qwen2", "llama")
+# tests.worker_deaths fails a test during which a worker of a server this process launched died (vLLM
+# says so only in its log); pytester runs a pytest inside a test (tests/test_worker_deaths.py).
+pytest_plugins = ["tests.worker_deaths", "pytester"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -23,6 +23,7 @@ import time
 import urllib.request
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,10 @@ _LOG_TAIL_LINES = 40
 
 # Loopback requests must not go through an http_proxy from the environment.
 _URL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Each is called with every server `start()` launches, once its log path is chosen and before the
+# server writes to it (the log is appended to, so its size then is where this launch begins): the
+# test suite watches every launched server's log this way (tests/worker_deaths.py). Empty in a run.
+LAUNCH_HOOKS: list[Callable[[ServerProcess], None]] = []
 
 
 class ServerStartupError(RuntimeError):
@@ -155,6 +160,8 @@ class ServerProcess:
         log_dir = Path(c.log_dir) if c.log_dir is not None else Path(tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.LOG_PREFIX}-{self.port}.log"
+        for hook in LAUNCH_HOOKS:
+            hook(self)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT,
