@@ -36,23 +36,37 @@ static void write_hex(char **out, uintptr_t value) {
     while (n) *(*out)++ = digits[--n];
 }
 
-static void write_text(char **out, const char *text) {
-    const size_t length = strlen(text);
+static void write_text(char **out, const char *text, size_t limit) {
+    const size_t length = strnlen(text, limit);
     memcpy(*out, text, length), *out += length;
 }
 
-/* One line on stderr for a fault outside the kernel (async-signal-safe: write(2) and no allocation). */
+/* One line on stderr for a fault outside the kernel, naming the module and offset of the instruction and
+ * its first bytes, so that a death says where it happened (write(2), no allocation; dladdr takes the
+ * loader's lock, which a fault inside the loader would hold: that case is left to the default action). */
 static void describe_foreign_fault(int sig, uintptr_t ip, uintptr_t address) {
-    char line[192], *out = line;
-    write_text(&out, "graft: fatal ");
-    write_text(&out, sig == SIGILL ? "SIGILL" : sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : "SIGFPE");
-    write_text(&out, " at ip ");
+    char line[640], *out = line;
+    Dl_info where;
+    const int known = dladdr((void *)ip, &where) && where.dli_fname != NULL;
+    write_text(&out, "graft: fatal ", 32);
+    write_text(&out, sig == SIGILL ? "SIGILL" : sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : "SIGFPE", 8);
+    write_text(&out, " at ip ", 8);
     write_hex(&out, ip);
-    write_text(&out, ", address ");
+    if (known) { /* the bytes of a module's mapped text are readable */
+        write_text(&out, " = ", 4);
+        write_text(&out, where.dli_fname, 400);
+        write_text(&out, "+", 2);
+        write_hex(&out, ip - (uintptr_t)where.dli_fbase);
+        write_text(&out, " (bytes", 8);
+        for (int k = 0; k < 8; k++) {
+            write_text(&out, " ", 2);
+            write_hex(&out, ((const unsigned char *)ip)[k]);
+        }
+        write_text(&out, ")", 2);
+    }
+    write_text(&out, ", address ", 12);
     write_hex(&out, address);
-    write_text(&out, ": not in graft's LoRA kernel (loaded at ");
-    write_hex(&out, library_base());
-    write_text(&out, "), handed on\n");
+    write_text(&out, ": not in graft's LoRA kernel, handed on\n", 64);
     ssize_t ignored = write(STDERR_FILENO, line, (size_t)(out - line));
     (void)ignored;
 }

@@ -59,13 +59,16 @@ SANITIZE_ENV = "GRAFT_LORA_KERNEL_SANITIZE"  # "1": built with ASan and UBSan (t
 SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 HAS_FP32, HAS_BF16 = 1, 2  # lora_kernel.c's feature bits
 _BITS = {torch.float32: HAS_FP32, torch.bfloat16: HAS_BF16}
+_NAMES = {HAS_FP32: "fp32", HAS_BF16: "bf16"}
 _FUNCTIONS = {torch.bfloat16: "graft_lora_add_bf16", torch.float32: "graft_lora_add_f32"}
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ARGUMENTS = [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT,
               _INT, _POINTER, ctypes.c_float]
-# The child's exit status: the functions that passed, and (shifted by 2) those the host has.
+# The child's exit status: whether the function (argv[2], a HAS_* bit) passed, and (shifted by 2) what the
+# host has.
 _PROBE = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
-          "sys.exit(lib.graft_lora_self_test() | lib.graft_lora_host_features() << 2)")
+          "sys.exit(lib.graft_lora_self_test(ctypes.c_int64(int(sys.argv[2]))) | lib.graft_lora_host_features() << 2)")
+_NEEDS = {HAS_FP32: "AVX-512F and FMA", HAS_BF16: "AVX-512F/BW/VL and AVX-512 BF16"}
 log = logging.getLogger(__name__)
 _said: set[str] = set()
 
@@ -124,23 +127,35 @@ def _build(compiler: str, flags: list[str], library: Path) -> str | None:
 
 
 def _probe(library: Path) -> tuple[int, str | None]:
-    """The functions that passed the kernel's self-test in a child process (HAS_* bits), and why none
-    did: a child killed by an instruction (or anything else) names its signal."""
+    """The functions (HAS_* bits) this host has that gave the exact sums of the kernel's self-test, each
+    run in a child process of its own; and, where none did, why. A function the host has that died or
+    erred in its probe is said (the other may still pass)."""
+    passed, reasons = 0, []
+    for bit in _NAMES:
+        reason = _probe_one(library, bit)
+        if reason is None:
+            passed |= bit
+            continue
+        reasons.append(f"{_NAMES[bit]}: {reason}")
+        if not reason.startswith("this CPU"):
+            log.warning("graft: LoRA kernel's %s function %s; torch's path runs for it", _NAMES[bit], reason)
+    return passed, None if passed else "; ".join(reasons)
+
+
+def _probe_one(library: Path, bit: int) -> str | None:
+    """Why the function `bit` did not pass its probe in a child process; None where it did."""
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", _PROBE, str(library)], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run([sys.executable, "-I", "-c", _PROBE, str(library), str(bit)], capture_output=True,
+                              text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return 0, f"its probe did not run: {exc}"
+        return f"its probe did not run: {exc}"
     if done.returncode < 0:
-        return 0, f"its probe died of {signal.Signals(-done.returncode).name} on this host"
-    passed, host = done.returncode & 3, done.returncode >> 2
-    for dtype, bit in _BITS.items():
-        if host & bit and not passed & bit:
-            log.warning("graft: LoRA kernel's %s function gave wrong sums in its probe; torch's path runs", dtype)
-    if done.returncode > 15 or not passed:
-        return 0, (f"its probe failed: {done.stderr.strip()[-300:]}" if done.returncode > 15 else
-                   "this CPU (or its OS) has no AVX-512")
-    return passed, None
+        return f"died of {signal.Signals(-done.returncode).name} in its probe"
+    if done.returncode > 15:
+        return f"its probe failed: {done.stderr.strip()[-300:]}"
+    if not done.returncode >> 2 & bit:
+        return f"this CPU (or its OS) lacks {_NEEDS[bit]}"
+    return None if done.returncode & bit else "gave wrong sums in its probe"
 
 
 def _open(library: Path, passed: int) -> Kernel:

@@ -99,9 +99,10 @@ static int probe_bf16(void) {
     return 1;
 }
 
-/* HAS_FP32 | HAS_BF16 for the functions this host has that gave the exact sums of a small case. graft runs
- * it in a child process: an instruction the CPU refuses kills the child, never a server. */
-int64_t graft_lora_self_test(void) {
-    const int64_t has = graft_lora_host_features();
+/* Of the functions in `which` (HAS_FP32 | HAS_BF16), those this host has that gave the exact sums of a
+ * small case. graft runs it in a child process, one per function: an instruction the CPU refuses kills the
+ * child, never a server, nor the other function's probe. */
+int64_t graft_lora_self_test(int64_t which) {
+    const int64_t has = graft_lora_host_features() & which;
     return (has & HAS_FP32 && probe_f32() ? HAS_FP32 : 0) | (has & HAS_BF16 && probe_bf16() ? HAS_BF16 : 0);
 }

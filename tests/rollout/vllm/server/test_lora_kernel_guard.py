@@ -139,43 +139,67 @@ def test_after_a_fault_torch_finishes_the_call_and_the_kernel_is_off(kernel, mon
 
 
 _FOREIGN_FAULT = """
-import ctypes, logging, sys
+import ctypes, sys
 from graft.rollout.vllm.server import lora_kernel
 assert lora_kernel.load() is not None
 print("loaded", flush=True)
-ctypes.string_at(1)  # a fault outside the kernel
+if sys.argv[1] == "-":
+    ctypes.string_at(1)  # SIGSEGV in libc
+else:
+    ctypes.CDLL(sys.argv[1]).graft_lora_self_test(ctypes.c_int64(1))  # ud2: SIGILL in another library
 """
 
 
-def test_a_fault_outside_the_kernel_is_described_and_handed_on(kernel):
-    done = subprocess.run([sys.executable, "-c", _FOREIGN_FAULT], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("where", ["SIGSEGV in libc", "SIGILL in another library"])
+def test_a_fault_outside_the_kernel_is_described_and_handed_on(kernel, tmp_path, where):
+    other = "-" if where.endswith("libc") else str(_fake_kernel(tmp_path, "__builtin_trap(); return which;"))
+    done = subprocess.run([sys.executable, "-c", _FOREIGN_FAULT, other], capture_output=True, text=True, timeout=120)
     assert done.stdout == "loaded\n"
-    assert done.returncode == -signal.SIGSEGV, done.stderr[-2000:]
-    assert "graft: fatal SIGSEGV" in done.stderr and "not in graft's LoRA kernel" in done.stderr
+    sig = signal.SIGSEGV if where.endswith("libc") else signal.SIGILL
+    assert done.returncode == -sig, done.stderr[-2000:]
+    line = next(line for line in done.stderr.splitlines() if line.startswith("graft: fatal"))
+    assert line.startswith(f"graft: fatal {sig.name} at ip 0x") and "not in graft's LoRA kernel" in line
+    assert ("libc.so" in line) if other == "-" else (f"= {other}+0x" in line and "(bytes 0xf 0xb" in line)  # ud2
 
 
 def _fake_kernel(tmp_path: Path, self_test: str) -> Path:
-    """A library with the probe's two entry points: the host has both functions, the self-test is `self_test`."""
+    """A library with the probe's two entry points: the host has both functions, the self-test of `which`
+    is `self_test`."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         pytest.skip("no C compiler")
     source = tmp_path / "fake.c"
     source.write_text("#include <stdint.h>\nint64_t graft_lora_host_features(void) { return 3; }\n"
-                      f"int64_t graft_lora_self_test(void) {{ {self_test} }}\n")
+                      f"int64_t graft_lora_self_test(int64_t which) {{ {self_test} }}\n")
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "fake.so"), str(source)], check=True)
     return tmp_path / "fake.so"
 
 
-def test_an_instruction_the_cpu_refuses_kills_the_probe_not_the_process(tmp_path):
-    passed, error = lora_kernel._probe(_fake_kernel(tmp_path, "__builtin_trap(); return 3;"))  # ud2: SIGILL
-    assert passed == 0 and "died of SIGILL" in error
-
-
-def test_a_function_giving_wrong_sums_in_the_probe_is_not_used(tmp_path, caplog):
+def test_an_instruction_the_cpu_refuses_kills_its_probe_not_the_process_nor_the_other_function(tmp_path, caplog):
+    bf16_traps = "if (which == 2) __builtin_trap(); return which;"  # ud2: SIGILL
     with caplog.at_level(logging.WARNING, logger=lora_kernel.__name__):
-        passed, error = lora_kernel._probe(_fake_kernel(tmp_path, "return 1;"))  # bf16 failed its case
-    assert (passed, error) == (lora_kernel.HAS_FP32, None)
-    assert "bfloat16 function gave wrong sums" in caplog.text
+        assert lora_kernel._probe(_fake_kernel(tmp_path, bf16_traps)) == (lora_kernel.HAS_FP32, None)
+    assert "bf16 function died of SIGILL in its probe" in caplog.text
+
+
+def test_a_function_giving_wrong_sums_in_its_probe_is_not_used(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=lora_kernel.__name__):
+        assert lora_kernel._probe(_fake_kernel(tmp_path, "return which == 2 ? 0 : which;")) == (1, None)
+    assert "bf16 function gave wrong sums in its probe" in caplog.text
+
+
+def test_a_kernel_whose_probes_all_die_is_not_loaded(tmp_path, monkeypatch, caplog):
+    fake = _fake_kernel(tmp_path, "__builtin_trap(); return which;")
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(lora_kernel, "_build", lambda compiler, flags, library: shutil.copy(fake, library) and None)
+    (tmp_path / "cache" / "kernels").mkdir(parents=True)
+    lora_kernel.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=lora_kernel.__name__):
+            assert lora_kernel.load() is None and lora_kernel.function(torch.float32) is None
+    finally:
+        lora_kernel.load.cache_clear()
+    assert "LoRA kernel not built (fp32: died of SIGILL in its probe; bf16: died of SIGILL" in caplog.text
 
 
 def _sanitized_environment(tmp_path: Path) -> dict[str, str]:
