@@ -4,6 +4,7 @@
  * action: the process dies of it as it would have). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
@@ -14,7 +15,9 @@
 
 #include "lora_kernel.h"
 
-static __thread sigjmp_buf *armed; /* set while this thread runs rows; the fault handler jumps back */
+/* Set while this thread runs rows; the fault handler jumps back. Initial-exec: read in a signal handler,
+ * where the general-dynamic model's first access in a thread may allocate. */
+static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf *armed;
 static __thread unsigned char *saved_row;
 static __thread size_t saved_capacity;
 static struct sigaction handed_on[4]; /* the handlers before ours, for SIGILL, SIGSEGV, SIGBUS, SIGFPE */
@@ -138,7 +141,11 @@ int64_t run_guarded(const struct call *c, row_function *row, size_t element) {
     }
     volatile int64_t index = 0;
     sigjmp_buf jump;
-    if (sigsetjmp(jump, 1)) {
+    if (sigsetjmp(jump, 0)) { /* no mask saved: a syscall a call saved; the fault path unblocks its own */
+        sigset_t fault;
+        sigemptyset(&fault);
+        sigaddset(&fault, fault_signal);
+        pthread_sigmask(SIG_UNBLOCK, &fault, NULL);
         memcpy((unsigned char *)c->y + c->rows[index] * c->y_stride * (int64_t)element, saved_row, row_bytes);
         return index;
     }
