@@ -109,7 +109,10 @@ def _save_forever(policy: TenantPolicy, out_dir: Path, log_path: str, first: int
         os.write(log, f"begin {i} {_digest(policy)}\n".encode())
         save_tenant(policy, SPEC.name, out_dir, overwrite=True)
         os.write(log, f"done {i}\n".encode())
-        print(f"saved {i}", flush=True)
+        # One write, whole or not at all: print() under PYTHONUNBUFFERED (set on these machines) writes
+        # the text and its newline in two, and a worker killed between them left "saved <i>" open, so
+        # the server's "ended" line joined it and the test waited 300 s for an "ended" it had read.
+        os.write(sys.stdout.fileno(), f"saved {i}\n".encode())
 
 
 # -- the test ----------------------------------------------------------------------------------------
