@@ -32,6 +32,15 @@ def test_a_death_written_after_the_launch_is_reported_once_with_its_log(tmp_path
     assert watch.new_deaths() == []  # blamed on one test only
 
 
+def test_the_kernel_guards_line_naming_a_fatal_fault_is_quoted_beside_the_death(tmp_path):
+    log, watch = tmp_path / "vllm-1.log", LogWatch()
+    _launched(watch, log)
+    fault = ("graft: fatal SIGILL at ip 0x7f01 = /venv/vllm/_C.abi3.so+0x3e6671 (bytes 0xc4 0xe2 0x7b 0x4b), "
+             "address 0x7f01: not in graft's LoRA kernel, handed on")
+    log.write_text(f"INFO step\n{fault}\n{DEATH}\n")
+    assert watch.new_deaths() == [f"{log}: {fault}", f"{log}: {DEATH}"]
+
+
 def test_what_an_earlier_server_wrote_to_the_same_log_is_not_this_launchs(tmp_path):
     log, watch = tmp_path / "vllm-1.log", LogWatch()
     log.write_text(f"{DEATH}\n")  # a server on the same port, before: the log is appended to

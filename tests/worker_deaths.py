@@ -28,6 +28,9 @@ from graft.rollout.launcher import LAUNCH_HOOKS, ServerProcess
 # vllm/v1/utils.py); not written when graft stops a server (its executor's monitor stands down once
 # shutting down: none in the logs of the suite's stopped servers).
 DEATH_MARK = b"died unexpectedly"
+# graft's LoRA kernel's fault guard names a fatal fault's module, offset and bytes before it is handed on
+# (graft/rollout/vllm/server/lora_guard.c): quoted beside the death it explains.
+FAULT_MARK = b"graft: fatal "
 
 
 class LogWatch:
@@ -62,7 +65,7 @@ class LogWatch:
             whole = new[:new.rfind(b"\n") + 1]
             self._read_bytes[path] = read_bytes + len(whole)
             deaths += [f"{path}: {line.decode(errors='replace').strip()}"
-                       for line in whole.splitlines() if DEATH_MARK in line]
+                       for line in whole.splitlines() if DEATH_MARK in line or FAULT_MARK in line]
         return deaths
 
 
