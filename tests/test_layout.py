@@ -104,3 +104,28 @@ def test_math_packages_import_no_torch_distributed():
 def test_no_file_passes_400_lines():
     long = {str(p.relative_to(GRAFT)): n for p in GRAFT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def _reached(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """`start` and every graft module its imports run, through graft modules and the packages above
+    each (importing graft.a.b runs graft/a/__init__.py first)."""
+    reached, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        todo += [m for m in graph[name] | set(parents) if m in graph]
+    return reached
+
+
+def test_the_vllm_server_process_imports_no_graft_config():
+    """graft.config pulls pydantic and the whole config tree into every vLLM server process; what the
+    server reads from its launcher is an environment variable (graft/rollout/vllm/server/environment.py)."""
+    paths = {_module_name(p): p for p in GRAFT.rglob("*.py")}
+    graph = {name: _imported_modules(path, set(paths)) for name, path in paths.items()}
+    offenders = {server: sorted(m for m in _reached(server, graph) if m == "graft.config" or
+                                m.startswith("graft.config."))
+                 for server in graph if server.startswith("graft.rollout.vllm.server")}
+    assert {server: found for server, found in offenders.items() if found} == {}

@@ -30,9 +30,6 @@ from pathlib import Path
 from graft.rollout.process_group import SERVER_ID_ENV, group_alive, members_carrying, send_to_group
 
 DTYPES = ("auto", "bfloat16", "float32")
-# The launching process's pid; the server's watchdog (graft.rollout.vllm.server.entry, and the SGLang
-# server's sitecustomize) stops the server once it is gone.
-OWNER_ENV = "GRAFT_OWNER_PID"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
 

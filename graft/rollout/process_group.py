@@ -14,6 +14,10 @@ from pathlib import Path
 
 # A token unique to one launch, in every process of that server.
 SERVER_ID_ENV = "GRAFT_SERVER_ID"
+# The launching process's pid; the server's watchdog (graft.rollout.vllm.server.entry, and the SGLang
+# server's sitecustomize) stops the server once it is gone. Here, not in graft.rollout.launcher, so
+# that the watchdog's server imports no launcher.
+OWNER_ENV = "GRAFT_OWNER_PID"
 
 # /proc/<pid>/stat fields after the command name: utime is field 14 (index 11 here), rss (pages) 24 (21).
 _RSS_FIELD = 21

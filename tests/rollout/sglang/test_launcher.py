@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from graft.rollout.launcher import OWNER_ENV, free_port
+from graft.rollout.launcher import free_port
+from graft.rollout.process_group import OWNER_ENV
 from graft.rollout.sglang.launcher import (
     CPU_FIXES_DIR,
     SglangServer,

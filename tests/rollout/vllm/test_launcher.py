@@ -32,10 +32,12 @@ from graft.lora.adapter_io import save_adapter
 from graft.lora.export import export_merged
 from graft.models.loading import load_model
 from graft.rollout.engine import GenerateRequest, SamplingParams
-from graft.rollout.launcher import OWNER_ENV, ServerStartupError
+from graft.rollout.launcher import ServerStartupError
+from graft.rollout.process_group import OWNER_ENV
 from graft.rollout.vllm import launcher as vllm_launcher
 from graft.rollout.vllm.client import VllmClient
-from graft.rollout.vllm.launcher import LORA_OPS_ENV, SERVER_MODULE, VllmServer, VllmServerConfig, exposure_warning
+from graft.rollout.vllm.launcher import SERVER_MODULE, VllmServer, VllmServerConfig, exposure_warning
+from graft.rollout.vllm.server.environment import LORA_OPS_ENV
 from tests.helpers import hf_greedy, live_group_members, trained_like_peft_model
 
 MAX_TOKENS = 16

@@ -89,7 +89,7 @@ def watch_owner() -> threading.Thread | None:
     (`start_new_session`), named owner in `OWNER_ENV`. An owner that is no longer our parent died
     before the watch began (a SIGKILL in the first seconds of start-up): the group stops at once.
     vLLM's own processes inherit the variable but lead no group, and never watch."""
-    from graft.rollout.launcher import OWNER_ENV
+    from graft.rollout.process_group import OWNER_ENV
 
     owner = os.environ.get(OWNER_ENV, "")
     if not owner.isdigit() or os.getpgrp() != os.getpid():
@@ -208,6 +208,16 @@ def patches_line(device: str, installed: list[str]) -> str:
     return line + f"; skipped on {device}: {', '.join(skipped) or 'none'}"
 
 
+def graft_modules_line() -> str:
+    """The one log line naming the graft modules this process has imported (this one is `__main__`):
+    its own package, the adapter blob format, the process-group names and the kernel cache's
+    directory. Through the launcher's environment-variable names it once imported graft.config,
+    pydantic and 28 graft modules; the test suite counts them here, in a real server
+    (tests/rollout/vllm/server/test_entry.py)."""
+    loaded = sorted(name for name in sys.modules if name == "graft" or name.startswith("graft."))
+    return f"graft modules loaded: {len(loaded)} ({', '.join(loaded)})"
+
+
 if __name__ in ("__main__", "__mp_main__"):  # the server and its spawned children, not an import
     _DEVICE = serving_device()
     _INSTALLED = install_patches(_DEVICE, api_server=False)
@@ -215,4 +225,5 @@ if __name__ in ("__main__", "__mp_main__"):  # the server and its spawned childr
 if __name__ == "__main__":
     _INSTALLED += install_patches(_DEVICE, api_server=True)
     print(patches_line(_DEVICE, _INSTALLED), file=sys.stderr, flush=True)
+    print(graft_modules_line(), file=sys.stderr, flush=True)  # vLLM's processes are forked or spawned from here
     run_api_server()

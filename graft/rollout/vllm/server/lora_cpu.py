@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from graft.rollout.vllm.launcher import LORA_OPS_ENV
 from graft.rollout.vllm.server import lora_cpu_linear
+from graft.rollout.vllm.server.environment import LORA_OPS_ENV
 
 _PARAMETERS = {  # the measured version's signatures; another version keeps its own ops
     "bgmv_shrink": ["inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor", "scaling"],

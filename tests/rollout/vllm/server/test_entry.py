@@ -3,6 +3,7 @@ quiet within ~50 ms instead of spinning a core for 1 s, and no request waits for
 missed-wake-up recheck."""
 
 import asyncio
+import re
 import time
 from types import SimpleNamespace
 
@@ -70,8 +71,7 @@ def test_a_server_whose_owner_died_before_the_watch_began_stops_before_vllm_load
     import subprocess
     import sys
 
-    from graft.rollout.launcher import OWNER_ENV
-    from graft.rollout.process_group import SERVER_ID_ENV
+    from graft.rollout.process_group import OWNER_ENV, SERVER_ID_ENV
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs: the owner that died
@@ -229,3 +229,19 @@ def test_the_server_logs_once_which_patches_it_got(vllm_server):
         lines = [line.strip() for line in log if line.startswith("graft patches applied:")]
     assert lines == ["graft patches applied: short_busy_wait, lora_cpu, lora_block_keys, fork_start, batch_route, "
                      "memory_adapters; skipped on cpu: none"]
+
+
+@pytest.mark.vllm
+def test_the_server_process_imports_no_graft_config(vllm_server):
+    """The server once read an environment variable's name from graft.rollout.vllm.launcher, and with it
+    imported graft.config, pydantic and 28 graft modules; its own package, the adapter blob format
+    (lora_memory), the process-group names (the owner watchdog) and the kernel cache's directory
+    (lora_kernel) are 16."""
+    with open(vllm_server.log_path) as log:
+        lines = [line.strip() for line in log if line.startswith("graft modules loaded:")]
+    assert len(lines) == 1, lines
+    count, names = re.fullmatch(r"graft modules loaded: (\d+) \((.*)\)", lines[0]).groups()
+    modules = names.split(", ")
+    assert int(count) == len(modules)
+    assert [m for m in modules if m == "graft.config" or m.startswith("graft.config.")] == []
+    assert len(modules) <= 16, modules
