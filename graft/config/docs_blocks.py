@@ -48,8 +48,10 @@ class StaleBlock:
     kind: BlockKind
     name: str
 
-    def __str__(self) -> str:
-        return f"{self.path}: {self.kind.label} block {self.name!r} is stale; run {self.kind.command}"
+    def describe(self, *, rewritten: bool) -> str:
+        """The line a command prints for this block: stale and how to fix it, or rewritten."""
+        done = "rewritten" if rewritten else f"is stale; run {self.kind.command}"
+        return f"{self.path}: {self.kind.label} block {self.name!r} {done}"
 
 
 def rewrite(text: str, kind: BlockKind, source: str = "text") -> tuple[str, list[str]]:

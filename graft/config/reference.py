@@ -183,7 +183,7 @@ def render_style(style: str) -> str:
 
 
 REFERENCE_BLOCKS = BlockKind("config reference", r"<!-- config-reference \((?P<name>\w+)\): [^>]*-->",
-                             "<!-- /config-reference -->", render_style, "python -m graft.config.reference --write FILE")
+                             "<!-- /config-reference -->", render_style, "graft bench report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if unmarked := [path for path in args.write if not REFERENCE_BLOCKS.pattern.search(path.read_text())]:
         parser.error(f"{unmarked[0]} has no <!-- config-reference (STYLE): ... --> block")
     for stale in update(args.write, [REFERENCE_BLOCKS], check=False):
-        print(f"{stale.path}: config reference block {stale.name!r} rewritten")
+        print(stale.describe(rewritten=True))
     return 0
 
 

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [results_blocks(load_results(args.results)), REFERENCE_BLOCKS]
     stale = update(args.docs, kinds, check=args.check)
     for block in stale:
-        print(block if args.check else f"{block.path}: {block.kind.label} block {block.name!r} rewritten")
+        print(block.describe(rewritten=not args.check))
     return 1 if args.check and stale else 0
 
 

@@ -1,7 +1,7 @@
 """The result tables of README.md, docs/benchmarks.md and docs/tenants.md are rendered from
-docs/results/*.json: rendered again they are unchanged (and so is docs/config.md's reference), every result file is shown and says where it came from, and a
-bench's --record and `graft bench report --add` keep a result with its machine, date, command and
-revision."""
+docs/results/*.json: rendered again they are unchanged (and so is docs/config.md's reference), every
+result file is shown and says where it came from, and a bench's --record and `graft bench report
+--add` keep a result with its machine, date, command and revision."""
 
 import datetime
 import json
