@@ -61,8 +61,7 @@ def rewrite(text: str, kind: BlockKind, source: str = "text") -> tuple[str, list
         ValueError: an opening marker of `kind` without its closing marker (`source` names where), or
             what `kind.render` raises (an unknown block name).
     """
-    blocks = list(kind.pattern.finditer(text))
-    starts = {match.start() for match in blocks}
+    starts = {match.start() for match in kind.pattern.finditer(text)}
     if unclosed := [m["name"] for m in re.finditer(kind.opening, text) if m.start() not in starts]:
         raise ValueError(f"{source}: {kind.label} block {unclosed[0]!r} has no closing marker")
     changed = []
