@@ -14,7 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from graft.bench.results import record, result_name
+from graft.bench.report.results import record, result_name
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def add_bench_command(sub) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.bench == "report":
-        from graft.bench.report import main
+        from graft.bench.report.render import main
 
         return main(args.bench_args)
     return run_bench(args.bench, args.bench_args)

@@ -8,12 +8,10 @@ Every key's type, allowed values, default and description come from the pydantic
     <!-- /config-reference -->
 
 `python -m graft.config.reference --write FILE ...` rewrites every marked block of each file in the
-style its marker names (`STYLES`); `--check FILE ...` exits 1 when a block is stale (what the tests
-assert); with neither it prints the full reference.
-"""
+style its marker names (`STYLES`); without it, it prints the full reference. `graft bench report
+--check` checks these blocks with the results tables (`graft.config.docs_blocks`; what the tests assert)."""
 
 import argparse
-import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -26,10 +24,9 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from graft.config.docs_blocks import BlockKind, update
 from graft.config.schema import GraftConfig
 
-BLOCK = re.compile(r"(?P<open><!-- config-reference \((?P<style>\w+)\): [^>]*-->\n)(?P<body>.*?)"
-                   r"(?P<close><!-- /config-reference -->)", re.S)
 # Full stops that do not end a sentence when the compact style cuts a description at its first one.
 _ABBREVIATIONS = ("e.g.", "i.e.", "vs.", "etc.", "Dr.")
 
@@ -174,43 +171,33 @@ def render_full() -> str:
 STYLES: dict[str, Callable[[], str]] = {"compact": render_compact, "full": render_full}
 
 
-def rewrite_blocks(text: str) -> str:
-    """`text` with the body of every marked block replaced by its style's rendering.
+def render_style(style: str) -> str:
+    """The body of a block in `style`.
 
     Raises:
-        ValueError: a marker names a style not in `STYLES`.
+        ValueError: a style not in `STYLES`.
     """
-    def replace(match: re.Match) -> str:
-        style = match["style"]
-        if style not in STYLES:
-            raise ValueError(f"unknown config-reference style {style!r}; known: {sorted(STYLES)}")
-        return match["open"] + STYLES[style]() + match["close"]
+    if style not in STYLES:
+        raise ValueError(f"unknown config-reference style {style!r}; known: {sorted(STYLES)}")
+    return STYLES[style]()
 
-    return BLOCK.sub(replace, text)
+
+REFERENCE_BLOCKS = BlockKind("config reference", r"<!-- config-reference \((?P<name>\w+)\): [^>]*-->",
+                             "<!-- /config-reference -->", render_style, "graft bench report")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graft.config.reference", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", nargs="+", metavar="FILE", help="rewrite the marked blocks of FILE in place")
-    parser.add_argument("--check", nargs="+", metavar="FILE", help="exit 1 if a marked block of FILE is stale")
+    parser.add_argument("--write", nargs="+", type=Path, metavar="FILE", help="rewrite the marked blocks of FILE")
     args = parser.parse_args(argv)
-    if not args.write and not args.check:
+    if not args.write:
         print(render_full(), end="")
         return 0
-    stale = []
-    for name in args.write or args.check:
-        path = Path(name)
-        text = path.read_text()
-        if not BLOCK.search(text):
-            parser.error(f"{path} has no <!-- config-reference (STYLE): ... --> block")
-        fresh = rewrite_blocks(text)
-        if fresh != text and args.write:
-            path.write_text(fresh)
-        elif fresh != text:
-            stale.append(name)
-    for name in stale:
-        print(f"{name}: config reference is stale; run python -m graft.config.reference --write {name}")
-    return 1 if stale else 0
+    if unmarked := [path for path in args.write if not REFERENCE_BLOCKS.pattern.search(path.read_text())]:
+        parser.error(f"{unmarked[0]} has no <!-- config-reference (STYLE): ... --> block")
+    for stale in update(args.write, [REFERENCE_BLOCKS], check=False):
+        print(stale.describe(rewritten=True))
+    return 0
 
 
 if __name__ == "__main__":

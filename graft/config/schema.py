@@ -180,9 +180,11 @@ class TrainConfig(ObjectiveFields):
         "activation memory per layer drops from the layer's intermediates to its input, for one more "
         "forward of each layer (true: every layer, as TRL's gradient_checkpointing; without it one micro-batch of "
         "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB, docs/benchmarks.md). auto: per "
-        "micro-batch, the activations kept for the backward may take a twelfth of the memory available at start-up "
-        "(graft/train/parallelize.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
-        "the last layers go unchecked, the rest are checkpointed. Same results either way.")
+        "micro-batch, the activations kept for the backward may take a share of the memory available (on the CPU a "
+        "twelfth of the host's available memory at set-up; on a GPU half of its memory free at each micro-batch; "
+        "graft/train/memory_budget.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
+        "the last layers go unchecked, the rest are checkpointed; under tensor parallelism, every layer. Same "
+        "results either way.")
     host_memory: Literal["auto", "cached", "returned", "glibc"] = Field(
         "auto", description="Where an update on the CPU keeps the blocks it frees (graft/train/cpu_tuning.py). "
         "cached: in glibc's heap, for the next block and the next update (no page faults after the first update; "

@@ -1,11 +1,11 @@
 """The result tables of whole runs: the quickstarts, `graft bench e2e`, `cores`, `learning`,
 `cookbook` (its learning and its scaling curve) and `make gpu-check`. Each renderer takes the kept
-result files of its table (see `graft.bench.results`) and returns the table's markdown lines; it reads
+result files of its table (see `graft.bench.report.results`) and returns the table's markdown lines; it reads
 only what the command itself writes, so that a fresh run renders as the files seeded from the docs do."""
 
 from __future__ import annotations
 
-from graft.bench.markdown import flag, percent, seconds, small, table
+from graft.bench.report.markdown import flag, percent, seconds, small, table
 
 
 def _evaluations(result: dict) -> dict[int, float]:

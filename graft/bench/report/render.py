@@ -1,33 +1,35 @@
-"""`graft bench report`: the docs' result tables, rendered from the kept results (docs/results/*.json).
+"""`graft bench report`: the docs' generated blocks rendered afresh — the benches' result tables
+from the kept results (docs/results/*.json), and the config reference from the schema.
 
-The README's quickstart tables and every table of docs/benchmarks.md sit between marker comments:
+The README's quickstart tables and every table of docs/benchmarks.md and docs/tenants.md sit between
+marker comments:
 
     <!-- results:e2e -->
     ...
     <!-- /results:e2e -->
 
-`graft bench report` (or `python -m graft.bench.report`) rewrites each block from its result files
-(`TABLES`: block -> the files it shows and its renderer), under one line per run saying when, on
-which machine, at which commit and by which command it was measured. `--check` exits 1 where a
-block differs from its rendering (tests/bench/test_report.py asserts it never does, so a changed
-result file and its tables are committed together); `--add NAME PATH` first keeps a result made
-outside `graft bench` (`graft.bench.results.add`). Benches keep theirs with `--record`.
+`graft bench report` (or `python -m graft.bench.report.render`) rewrites each block from its result
+files (`TABLES`: block -> the files it shows and its renderer), under one line per run saying when,
+on which machine, at which commit and by which command it was measured, and docs/config.md's
+reference from the schema (`graft.config.reference`). `--check` changes nothing and exits 1 naming
+each stale block (tests/bench/report/test_report.py asserts none is, so a changed result file or
+schema and its docs are committed together); `--add NAME PATH` first keeps a result made outside
+`graft bench` (`graft.bench.report.results.add`). Benches keep theirs with `--record`.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
-from graft.bench.report_parts import TABLES as PART_TABLES
-from graft.bench.report_runs import TABLES as RUN_TABLES
-from graft.bench.results import RESULTS_DIR, ROOT, add, load_results
+from graft.bench.report.parts import TABLES as PART_TABLES
+from graft.bench.report.results import RESULTS_DIR, ROOT, add, load_results
+from graft.bench.report.runs import TABLES as RUN_TABLES
+from graft.config.docs_blocks import BlockKind, update
+from graft.config.reference import REFERENCE_BLOCKS
 
-DOCS = ("README.md", "docs/benchmarks.md", "docs/tenants.md")
-BLOCK = re.compile(r"(?P<open><!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- /results:(?P=name) -->)",
-                   re.S)
+DOCS = ("README.md", "docs/benchmarks.md", "docs/tenants.md", "docs/config.md")
 TABLES = {**RUN_TABLES, **PART_TABLES}
 
 
@@ -76,15 +78,17 @@ def render_block(name: str, results: dict[str, dict]) -> str:
     return "\n".join([*provenance(kept), "", *render(kept)]) + "\n"
 
 
-def rewrite_blocks(text: str, results: dict[str, dict]) -> str:
-    """`text` with every results block rendered afresh."""
-    return BLOCK.sub(lambda m: m["open"] + render_block(m["name"], results) + m["close"], text)
+def results_blocks(results: dict[str, dict]) -> BlockKind:
+    """The results blocks, rendered from `results` (`load_results`)."""
+    return BlockKind("results", r"<!-- results:(?P<name>[\w-]+) -->", "<!-- /results:(?P=name) -->",
+                     lambda name: render_block(name, results), "graft bench report")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graft bench report", description="Render the result tables of README.md "
-                                     "and docs/benchmarks.md from docs/results/*.json.")
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a table is stale")
+    parser = argparse.ArgumentParser(prog="graft bench report", description="Render the generated blocks of the "
+                                     "docs: the result tables from docs/results/*.json, the config reference from "
+                                     "the schema.")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a block is stale")
     parser.add_argument("--add", nargs=2, metavar=("NAME", "PATH"),
                         help="first keep PATH (a quickstart's run directory, or a JSON file such as make gpu-check's "
                              "gpu-check.json) as docs/results/NAME.json, with this machine, its date and the git "
@@ -92,20 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command", help="with --add of a JSON file: the command that made it")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where the result files are")
     parser.add_argument("docs", nargs="*", type=Path, default=[ROOT / doc for doc in DOCS],
-                        help="the files whose blocks are rendered (default: README.md docs/benchmarks.md)")
+                        help=f"the files whose blocks are rendered (default: {' '.join(DOCS)})")
     args = parser.parse_args(argv)
     if args.add:
         print(f"kept {add(args.add[0], Path(args.add[1]), args.command, args.results)}")
-    results, stale = load_results(args.results), []
-    for path in args.docs:
-        text = path.read_text()
-        fresh = rewrite_blocks(text, results)
-        if fresh != text:
-            stale.append(path)
-            if not args.check:
-                path.write_text(fresh)
-    for path in stale:
-        print(f"{path}: results tables {'are stale; run graft bench report' if args.check else 'rewritten'}")
+    kinds = [results_blocks(load_results(args.results)), REFERENCE_BLOCKS]
+    stale = update(args.docs, kinds, check=args.check)
+    for block in stale:
+        print(block.describe(rewritten=not args.check))
     return 1 if args.check and stale else 0
 
 

@@ -2,7 +2,7 @@
 
 A number typed into the docs by hand goes stale the day the code or the machine changes, and says
 neither which machine nor which commit it came from. So every table in docs/benchmarks.md and the
-README's quickstart tables are rendered (`graft.bench.report`) from these files, and each file
+README's quickstart tables are rendered (`graft.bench.report.render`) from these files, and each file
 carries, beside the bench's own JSON (`result`), where it came from:
 
     {"name": "e2e", "command": "graft bench e2e --record", "date": "2026-11-26",
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RESULTS_DIR = ROOT / "docs" / "results"
 
 

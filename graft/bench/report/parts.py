@@ -1,10 +1,10 @@
 """The result tables of the benches that measure one part of a step: sync and its sweeps, the
 delivery check, merge, rollout, the soak, one step at a real shape, one update (memory and time) and
-the tenants. As in `graft.bench.report_runs`, each renderer reads only what its bench writes."""
+the tenants. As in `graft.bench.report.runs`, each renderer reads only what its bench writes."""
 
 from __future__ import annotations
 
-from graft.bench.markdown import gib, mib, small, table
+from graft.bench.report.markdown import gib, mib, small, table
 
 SYNC_MODES = {
     "adapter": "adapter (disk: PEFT files, load `<name>-vN`, unload old)",

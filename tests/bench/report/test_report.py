@@ -1,7 +1,7 @@
-"""The result tables of README.md and docs/benchmarks.md are rendered from docs/results/*.json:
-rendered again they are unchanged, every result file is shown and says where it came from, and a
-bench's --record and `graft bench report --add` keep a result with its machine, date, command and
-revision."""
+"""The result tables of README.md, docs/benchmarks.md and docs/tenants.md are rendered from
+docs/results/*.json: rendered again they are unchanged (and so is docs/config.md's reference), every
+result file is shown and says where it came from, and a bench's --record and `graft bench report
+--add` keep a result with its machine, date, command and revision."""
 
 import datetime
 import json
@@ -12,21 +12,21 @@ import types
 
 import pytest
 
-from graft.bench import commands, results
-from graft.bench.report import BLOCK, DOCS, TABLES, main, render_block, rewrite_blocks
-from graft.bench.report_runs import quickstart_accuracy, quickstart_steps
-from graft.bench.results import ROOT, load_results
+from graft.bench import commands
+from graft.bench.report import results
+from graft.bench.report.render import DOCS, TABLES, main, render_block, results_blocks
+from graft.bench.report.results import ROOT, load_results
+from graft.bench.report.runs import quickstart_accuracy, quickstart_steps
+from graft.config.docs_blocks import rewrite
 
 
-def test_the_docs_hold_the_rendered_results():
-    kept = load_results()
-    for doc in DOCS:
-        text = (ROOT / doc).read_text()
-        assert rewrite_blocks(text, kept) == text, f"{doc} is stale: run graft bench report"
+def test_the_docs_hold_the_rendered_blocks(capsys):
+    assert main(["--check"]) == 0, capsys.readouterr().out
 
 
 def test_every_table_is_in_the_docs_and_every_result_in_a_table():
-    shown = {m["name"] for doc in DOCS for m in BLOCK.finditer((ROOT / doc).read_text())}
+    blocks = results_blocks({}).pattern
+    shown = {m["name"] for doc in DOCS for m in blocks.finditer((ROOT / doc).read_text())}
     assert shown == set(TABLES)
     assert {name for files, _ in TABLES.values() for name in files} == set(load_results())
 
@@ -128,6 +128,6 @@ def test_a_stale_block_is_rewritten_and_check_sees_it(tmp_path):
 
 def test_an_unknown_block_or_a_missing_result_is_an_error():
     with pytest.raises(ValueError, match="unknown results block 'nope'"):
-        rewrite_blocks("<!-- results:nope -->\n<!-- /results:nope -->", {})
+        rewrite("<!-- results:nope -->\n<!-- /results:nope -->", results_blocks({}))
     with pytest.raises(ValueError, match="no docs/results/merge.json"):
         render_block("merge", {})
