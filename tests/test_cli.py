@@ -121,6 +121,19 @@ def test_a_model_directory_without_config_json_is_one_line_before_any_server(bas
     assert not (tmp_path / "run" / "logs").exists()  # no vLLM was launched
 
 
+def test_a_packaged_model_s_name_is_a_model_path(tmp_path, capsys):
+    """`-o model.path=smollm2` is the packaged model (converted once, cached): `graft config` takes it,
+    and `graft train` reads the converted directory's config (SmolLM2's 9 attention heads refuse
+    dist.tp=2) before any server starts, where it once answered `hf download smollm2`."""
+    assert main(["config", "configs/smollm2-quickstart.yaml", "-o", "model.path=smollm2"]) == 0
+    assert "path: smollm2" in capsys.readouterr().out
+    code = main(["train", "-o", "model.path=smollm2", "-o", "dist.tp=2", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("graft: error: dist.tp=2 does not divide the model's "
+                                            "num_attention_heads (9)"), err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_hub_id_in_the_local_cache_runs_offline(base_dir, tmp_path):
     import os
 
@@ -137,8 +150,9 @@ def test_a_hub_id_in_the_local_cache_runs_offline(base_dir, tmp_path):
     missing = subprocess.run([*common, "-o", "model.path=graft-test/absent"], capture_output=True, text=True, env=env,
                              timeout=300)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        f"graft: error: graft-test/absent is neither a local directory nor a model in the Hugging Face cache "
-        f"{tmp_path / 'hub'}: download it first (`hf download graft-test/absent`) or give a model directory"]
+        "graft: error: graft-test/absent is neither a local directory, a packaged model (gemma3-270m, smollm2) nor a "
+        f"model in the Hugging Face cache {tmp_path / 'hub'}: give a model directory or a packaged model's name, or "
+        "download it first (`hf download graft-test/absent`)"]
 
 
 def test_a_full_disk_is_one_line_naming_the_file(base_dir, tmp_path, capsys, monkeypatch):

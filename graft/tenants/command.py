@@ -156,11 +156,11 @@ def users_of(args: argparse.Namespace) -> Users:
 
 
 def cmd_tenants_serve(args: argparse.Namespace) -> None:
-    from graft.models.packaged import base_model_dir
+    from graft.models.loading import require_model_dir
     from graft.tenants.ranks import serve_on_ranks
 
     def model_dir() -> Path:
-        return base_model_dir(args.model, log=lambda message: print(f"graft: {message}", file=sys.stderr))
+        return require_model_dir(args.model)
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 serves, the others follow
         serve_on_ranks(args, model_dir, lambda found, ranked: asyncio.run(_serve(args, _users(args), found, ranked)))
@@ -183,8 +183,8 @@ def add_tenants_command(sub) -> None:
                                    "together, behind the Tinker API (the `tinker` SDK's ServiceClient).")
     tenants = p.add_subparsers(dest="tenants_command", required=True)
     serve = tenants.add_parser("serve", help="serve the Tinker API for one base model")
-    serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory "
-                                                    "or a .gguf file")
+    serve.add_argument("--model", required=True, help="the base: a packaged model's name (smollm2), an HF directory, "
+                                                    "a .gguf file or a hub id in the local Hugging Face cache")
     serve.add_argument("--keys", type=Path, help="users' API keys: one '<user> <key>' per line, '#' comments "
                                                  "(default: TINKER_API_KEY, one user)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")

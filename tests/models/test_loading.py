@@ -16,6 +16,7 @@ from graft.models.loading import (
     resolve_dtype,
     resolve_model_path,
 )
+from graft.models.packaged import PACKAGED_MODELS, packaged_model_dir
 from tests.helpers import hf_cache_with
 
 
@@ -62,16 +63,37 @@ def test_a_cached_hub_id_loads_from_its_snapshot(hub_cache, tiny_model_dirs):
 
 def test_a_hub_id_missing_from_the_cache_says_how_to_get_it(hub_cache, tmp_path):
     for load in (require_model_dir, load_tokenizer, load_model):
-        with pytest.raises(ValueError, match=r"graft-test/other is neither a local directory nor a model in the "
-                                             r"Hugging Face cache .*hub: download it first "
+        with pytest.raises(ValueError, match=r"graft-test/other is neither a local directory, a packaged model "
+                                             rf"\({', '.join(sorted(PACKAGED_MODELS))}\) nor a model in the "
+                                             r"Hugging Face cache .*hub: .* download it first "
                                              r"\(`hf download graft-test/other`\)"):
             load("graft-test/other")
+
+
+def test_an_unknown_name_names_the_packaged_models(hub_cache):
+    """A mistyped packaged name is told which names graft ships, not only sent to a model hub."""
+    with pytest.raises(ValueError, match=r"^smollm3 is neither .* a packaged model \(gemma3-270m, smollm2\) nor"):
+        resolve_model_path("smollm3")
+
+
+def test_a_packaged_model_s_name_resolves_to_its_converted_directory():
+    """`model.path: smollm2` is the directory `graft model smollm2` converts; the packaged models' tests
+    convert it into the same cache, so this finds it there."""
+    path = require_model_dir("smollm2")
+    assert path == packaged_model_dir("smollm2") and (path / "config.json").is_file()
 
 
 def test_an_existing_relative_directory_wins_over_a_hub_id(hub_cache, tiny_model_dirs, tmp_path, monkeypatch):
     shutil.copytree(tiny_model_dirs["llama"], tmp_path / "graft-test" / "tiny")
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("graft-test/tiny").resolve() == (tmp_path / "graft-test" / "tiny").resolve()
+
+
+def test_an_existing_directory_named_like_a_packaged_model_wins(tiny_model_dirs, tmp_path, monkeypatch):
+    """A path that exists is a path: a user's own `smollm2/` is not swapped for the packaged model."""
+    shutil.copytree(tiny_model_dirs["llama"], tmp_path / "smollm2")
+    monkeypatch.chdir(tmp_path)
+    assert require_model_dir("smollm2").resolve() == (tmp_path / "smollm2").resolve()
 
 
 def test_load_model_in_bf16_eval_mode(tiny_model_dirs):

@@ -17,7 +17,7 @@ from graft.rollout.launcher import free_port
 
 @pytest.mark.parametrize(("key", "extra", "message"), [
     ("secret-key", [], "must start with 'tml-'"),
-    ("tml-fine-key", ["--model", "no/such-model-here"], "neither a local directory nor a model"),
+    ("tml-fine-key", ["--model", "no/such-model-here"], "neither a local directory, a packaged model"),
 ])
 def test_bad_input_exits_2_naming_the_problem(monkeypatch, capsys, base_dir, key, extra, message):
     monkeypatch.setenv("TINKER_API_KEY", key)
