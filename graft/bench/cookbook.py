@@ -121,11 +121,11 @@ def measure(args: argparse.Namespace, console: Console) -> dict:
     """Launch vLLM (once, with slots for the largest N), then per N a Tinker service and N recipes;
     the largest N's rewards and pass sizes, and the curve's rows (graft.bench.cookbook_curve)."""
     from graft.models.cache import default_cache_dir
-    from graft.models.packaged import base_model_dir
+    from graft.models.loading import require_model_dir
     from graft.rollout.vllm.launcher import VllmServer, VllmServerConfig
 
     site = cookbook_site(default_cache_dir(), console)
-    model_dir = base_model_dir(args.model, log=lambda message: console.print(message))
+    model_dir = require_model_dir(args.model, log=lambda message: console.print(message))
     out = Path(args.out).resolve()  # the recipes run in it: their relative log paths would nest
     out.mkdir(parents=True, exist_ok=True)
     slots = 2 * max(args.tenants)  # each tenant keeps its 2 newest versions served

