@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> int:
     """The `graft` command (and `python -m graft.cli`): `main` in a process that glibc set up for
-    cached update memory (`graft.train.cpu_tuning.TCACHE_OFF`; its tunables are read at start-up
+    cached update memory (`graft.host.TCACHE_OFF`; its tunables are read at start-up
     only, so the process starts itself again once with them, same PID, same arguments)."""
-    from graft.train.cpu_tuning import heap_friendly_environment
+    from graft.host import heap_friendly_environment
 
     environment = heap_friendly_environment(os.environ)
     if environment is not None:

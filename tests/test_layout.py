@@ -1,6 +1,7 @@
 """The layout is the architecture: imports point one way (README's "Where things live" order), no
-module imports itself through others, the math (`lora/`, `rl/`) never imports torch.distributed, and
-files stay small enough to read."""
+module imports itself through others, torch.distributed is imported in graft/parallel/ alone (so the
+math, `lora/` and `rl/`, never sees it), the service (`tenants/`) and the trainer (`train/`) share
+only the layers below them, and files stay small enough to read."""
 
 import ast
 import re
@@ -8,8 +9,10 @@ from pathlib import Path
 
 GRAFT = Path(__file__).parents[1] / "graft"
 # README's table, lowest layer first: a module may import only from its own layer or those before it.
-LAYERS = ["atomic", "config", "models", "rl", "lora", "tasks", "rollout", "sync", "evaluation", "train", "tenants",
-          "quickstart", "bench", "commands", "cli"]
+# `host` (CPU threads and allocator) and `parallel` (process group, collectives, parallelize) are the
+# platform under both `train` and `tenants`.
+LAYERS = ["atomic", "config", "host", "models", "rl", "lora", "tasks", "rollout", "sync", "evaluation", "parallel",
+          "train", "tenants", "quickstart", "bench", "commands", "cli"]
 IMPORT = re.compile(r"^\s*(?:from|import)\s+graft\.(\w+)", re.M)
 
 
@@ -101,9 +104,43 @@ def test_math_packages_import_no_torch_distributed():
     assert offenders == []
 
 
-def test_no_file_passes_400_lines():
-    long = {str(p.relative_to(GRAFT)): n for p in GRAFT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
-    assert long == {}
+def _imports_torch_distributed(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
+            return True
+    return False
+
+
+def test_only_the_parallel_package_imports_torch_distributed():
+    """Process groups, collectives and sharding are graft/parallel/'s: a package that needs one calls it
+    there, so every collective the ranks must make in the same order is in one place."""
+    offenders = [str(p.relative_to(GRAFT)) for p in GRAFT.rglob("*.py")
+                 if p.relative_to(GRAFT).parts[0] != "parallel" and _imports_torch_distributed(p)]
+    assert offenders == []
+
+
+def test_the_service_imports_nothing_of_the_trainer():
+    """graft/tenants/ (the Tinker service) and graft/train/ (the GRPO loop) are siblings on the platform
+    below them (graft/parallel/, graft/host.py); the service imports no trainer module."""
+    paths = {_module_name(p): p for p in GRAFT.rglob("*.py")}
+    offenders = {str(path.relative_to(GRAFT)): sorted(m for m in _imported_modules(path, set(paths))
+                                                      if m == "graft.train" or m.startswith("graft.train."))
+                 for path in (GRAFT / "tenants").rglob("*.py")}
+    assert {path: found for path, found in offenders.items() if found} == {}
+
+
+# Files of 380 lines or more, each with its line count today (it may shrink, not grow) and why it stays.
+LONG_FILES = {
+    "lora/adapter_io.py": (381, "the adapter format's reader and writer, gathered and sharded; split in a later step"),
+}
+
+
+def test_no_file_reaches_380_lines():
+    long = {str(p.relative_to(GRAFT)): n for p in GRAFT.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 380}
+    assert {path: n for path, n in long.items() if path not in LONG_FILES or n > LONG_FILES[path][0]} == {}
 
 
 def _reached(start: str, graph: dict[str, set[str]]) -> set[str]:

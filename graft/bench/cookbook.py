@@ -155,7 +155,7 @@ def measure_one(url: str, model_dir: Path, site: Path, slots: int, args: argpars
 
     from graft.tenants.background import ServiceThread
     from graft.tenants.command import served_tenants
-    from graft.train.cpu_tuning import release_cached_memory
+    from graft.host import release_cached_memory
 
     key = "tml-" + secrets.token_hex(16)
     window = {} if args.batch_window is None else {"batch_window_s": args.batch_window}
@@ -167,7 +167,7 @@ def measure_one(url: str, model_dir: Path, site: Path, slots: int, args: argpars
         seconds = time.perf_counter() - start
         row = curve_row(args.tenants, running.service.scheduler, [out / name for name in per_tenant], seconds)
     # Each service's model thread is a new glibc arena holding its passes' cached memory (the service
-    # runs "cached": graft.train.cpu_tuning); untrimmed, the bench held 18 GB at N=4 and ran out at 8.
+    # runs "cached": graft.host); untrimmed, the bench held 18 GB at N=4 and ran out at 8.
     release_cached_memory()
     console.print(f"{args.tenants} tenant(s): {json.dumps(row)}")
     return {**row, "rewards": per_tenant}

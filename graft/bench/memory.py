@@ -38,8 +38,8 @@ from graft.bench.memory_shape import COMPLETION_TOKENS, PAD_ID, PROMPT_TOKENS, Q
 from graft.bench.trl.env import TrlEnvError, run_trl, trl_python
 from graft.bench.trl.memory_worker import CONFIGS
 from graft.config.arguments import COUNT
+from graft.host import heap_friendly_environment  # light: no torch
 from graft.models.packaged import PACKAGED_MODELS
-from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
 
 # The batch per shape: 32 sequences (16,384 tokens) at 2 layers; 8 (one group, 4,096 tokens) at the
 # full 24 layers, so that each side's update finishes in minutes on a 2-core CPU.
@@ -52,9 +52,9 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
-    from graft.train.cpu_tuning import set_up_host_memory
-    from graft.train.dist import Dist
-    from graft.train.parallelize import decoder_layers, parallelize
+    from graft.host import set_up_host_memory
+    from graft.parallel.dist import Dist
+    from graft.parallel.parallelize import decoder_layers, parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 

@@ -47,7 +47,7 @@ from graft.bench.update_measure import (
     useful_flops,
 )
 from graft.config.arguments import COUNT
-from graft.train.cpu_tuning import heap_friendly_environment  # light: no torch
+from graft.host import heap_friendly_environment  # light: no torch
 
 SIDES = ("graft", "trl")
 # The model's dimensions; a test passes smaller ones.
@@ -61,10 +61,10 @@ def _graft_updates(spec: dict) -> dict:
 
     from graft.config import load_config
     from graft.lora.attach import attach_lora, lora_parameters
-    from graft.train.cpu_tuning import set_up_host_memory
-    from graft.train.dist import Dist
+    from graft.host import set_up_host_memory
+    from graft.parallel.dist import Dist
     from graft.train.memory_budget import auto_sizes
-    from graft.train.parallelize import decoder_layers, parallelize
+    from graft.parallel.parallelize import decoder_layers, parallelize
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 

@@ -183,11 +183,11 @@ class TrainConfig(ObjectiveFields):
         "8 x 640 tokens at the 24-layer Qwen2.5-0.5B shape held over 14 GiB, docs/benchmarks.md). auto: per "
         "micro-batch, the activations kept for the backward may take a share of the memory available (on the CPU a "
         "twelfth of the host's available memory at set-up; on a GPU half of its memory free at each micro-batch; "
-        "graft/train/memory_budget.py): the LM head keeps its log-softmax instead of recomputing its logits, then "
-        "the last layers go unchecked, the rest are checkpointed; under tensor parallelism, every layer. Same "
-        "results either way.")
+        "graft/parallel/activation_memory.py): the LM head keeps its log-softmax instead of recomputing its "
+        "logits, then the last layers go unchecked, the rest are checkpointed; under tensor parallelism, every "
+        "layer. Same results either way.")
     host_memory: Literal["auto", "cached", "returned", "glibc"] = Field(
-        "auto", description="Where an update on the CPU keeps the blocks it frees (graft/train/cpu_tuning.py). "
+        "auto", description="Where an update on the CPU keeps the blocks it frees (graft/host.py). "
         "cached: in glibc's heap, for the next block and the next update (no page faults after the first update; "
         "the trainer keeps its largest update's memory, as CUDA's caching allocator does); returned: back to the OS "
         "at once (glibc's mmap threshold fixed at 128 KiB for the process: the least memory, a page fault per 4 KiB "

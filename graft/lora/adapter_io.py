@@ -5,8 +5,8 @@ Loading is strict: every file-level and tensor-level problem is found before any
 so a bad adapter never leaves a model half-updated. Weights are never pickled.
 
 Nothing here knows about process groups. On an FSDP2-sharded model the caller passes how to gather a
-parameter whole (`gather=graft.train.dist.full_tensor`), how to lay a whole tensor out like a
-parameter (`place=graft.train.dist.shard_like`) and whether this rank writes (`write=`); the
+parameter whole (`gather=graft.parallel.dist.full_tensor`), how to lay a whole tensor out like a
+parameter (`place=graft.parallel.dist.shard_like`) and whether this rank writes (`write=`); the
 defaults are the single-process ones.
 """
 
@@ -55,13 +55,13 @@ class AdapterError(ValueError):
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
     """The default `Gather`: one process holds every parameter whole."""
-    assert not hasattr(param, "full_tensor"), "a sharded parameter: pass gather=graft.train.dist.full_tensor"
+    assert not hasattr(param, "full_tensor"), "a sharded parameter: pass gather=graft.parallel.dist.full_tensor"
     return param
 
 
 def _as_is(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The default `Place`: one process holds every parameter whole."""
-    assert not hasattr(param, "device_mesh"), "a sharded parameter: pass place=graft.train.dist.shard_like"
+    assert not hasattr(param, "device_mesh"), "a sharded parameter: pass place=graft.parallel.dist.shard_like"
     return full
 
 
@@ -98,7 +98,7 @@ def adapter_state_dict(model: peft.PeftModel, dtype: torch.dtype | None = None, 
 
     Args:
         dtype: default the base model's dtype (what the engine serves).
-        gather: a parameter -> its whole tensor; under FSDP2 `graft.train.dist.full_tensor`,
+        gather: a parameter -> its whole tensor; under FSDP2 `graft.parallel.dist.full_tensor`,
             and then EVERY rank must call this (the gather is a collective). Only LoRA tensors are
             gathered, so this moves megabytes, not the base model.
 
@@ -318,7 +318,7 @@ def load_adapter_weights(model: peft.PeftModel, path: str | os.PathLike, *, plac
     """Copy an adapter's weights into `model`'s LoRA parameters (on whatever device they are), strictly.
 
     All checks run before the first copy, so on error the model is unchanged. Under FSDP2 every rank
-    calls this with `place=graft.train.dist.shard_like` (a collective) and reads the files.
+    calls this with `place=graft.parallel.dist.shard_like` (a collective) and reads the files.
 
     Raises:
         AdapterError: see `read_adapter_config` and `read_adapter_tensors`; rank or alpha differ from

@@ -184,7 +184,7 @@ def iter_merged_weights(model: nn.Module, dtype: torch.dtype | None = None, *, g
         model: a PeftModel (LoRA merged in) or a plain HF model (its weights as they are: full mode).
         dtype: output dtype; default the base model's dtype.
         gather: a weight -> its whole tensor; on an FSDP2-sharded model
-            `graft.train.dist.full_tensor`, and then every other rank must call
+            `graft.parallel.dist.full_tensor`, and then every other rank must call
             `run_merge_gathers` meanwhile (the gathers are collectives, one module at a time).
     """
     dtype = dtype or model_dtype(model)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -106,6 +107,11 @@ def require_model_dir(path: str | Path, log=_say) -> Path:
         raise ValueError(f"model directory {path} has no config.json: a Hugging Face model directory holds "
                          "its config.json next to the weights")
     return path
+
+
+def load_hf_config(model_path: str):
+    """The base model's transformers config (a JSON read: heads, KV heads, MLP width, model_type)."""
+    return AutoConfig.from_pretrained(str(resolve_model_path(model_path)))
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> PreTrainedModel:

@@ -58,7 +58,7 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
     from graft.tenants.service import TenantService
     from graft.tenants.serving import TenantServing
     from graft.tenants.source import TenantSource
-    from graft.train.abandon import stop_points
+    from graft.parallel.abandon import stop_points
 
     tokenizer = load_tokenizer(model_dir)
     if ranked is None:

@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from graft.config import ALL_LINEAR
+from graft.host import host_memory_mode, update_memory_cached
 from graft.lora.routing import BASE_ONLY, routed
 from graft.rl.logprobs import sequence_logprobs, teacher_forced_logprobs
 from graft.sync.source import eval_mode
 from graft.tenants.invariant import batch_invariant
 from graft.tenants.losses import LOSSES, LossConfigError, loss_config
 from graft.tenants.users import PASS_TOKENS
-from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
 
 
 def passes_of(datums: Sequence[Datum], budget: int) -> Iterator[list[Datum]]:

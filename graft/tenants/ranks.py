@@ -52,6 +52,8 @@ import torch
 
 from graft.lora.routing import routed
 from graft.models.loading import load_model
+from graft.parallel.dist import Dist, broadcast_ints, broadcast_tensor
+from graft.parallel.parallelize import check_tensor_parallel, reshard
 from graft.sync.source import probe_logits_finite
 from graft.tenants.policy import (
     AdamParams,
@@ -65,8 +67,6 @@ from graft.tenants.policy import (
 from graft.tenants.sharded import ShardedTenantPolicy
 from graft.tenants.source import TenantSource
 from graft.tenants.users import PASS_TOKENS
-from graft.train.dist import Dist, broadcast_ints, broadcast_tensor
-from graft.train.parallelize import check_tensor_parallel, reshard
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def serve_on_ranks(args, model_dir: Callable[[], Path], serve: Callable[[Path, R
     import signal
 
     from graft.models.loading import load_tokenizer
-    from graft.train.dist import init_distributed, shutdown_distributed
+    from graft.parallel.dist import init_distributed, shutdown_distributed
 
     ctx = init_distributed(tp=args.tp)
     try:

@@ -1,7 +1,7 @@
 """Tenants' adapters trained in shared batches on several ranks: `ShardedTenantPolicy`.
 
 The one-process `TenantPolicy` (graft.tenants.policy) parallelised by graft's own `parallelize`
-(graft.train.parallelize): tensor parallelism over the mesh's `tp` dimension, every tenant's LoRA
+(graft.parallel.parallelize): tensor parallelism over the mesh's `tp` dimension, every tenant's LoRA
 factors split with their layer, then FSDP2 over `dp`. Each data-parallel rank runs
 `forward_backward` on its own share of the datums (the ranks of one TP group on the same share),
 and each tenant's gradient is the SUM over ranks of its datums' gradients: the losses are sums
@@ -32,10 +32,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from graft.lora.routing import routed
+from graft.parallel.dist import Dist, all_reduce_max, all_reduce_sum, full_tensor, shard_like
+from graft.parallel.parallelize import check_tensor_parallel, parallelize, reduce_unused_as_zeros, reshard
 from graft.tenants.losses import LOSSES
 from graft.tenants.policy import (
     Datum,
@@ -45,8 +46,6 @@ from graft.tenants.policy import (
     TenantSpec,
     TenantState,
 )
-from graft.train.dist import Dist, full_tensor, shard_like
-from graft.train.parallelize import check_tensor_parallel, parallelize, reshard
 
 
 class ShardedTenantPolicy(TenantPolicy):
@@ -73,7 +72,7 @@ class ShardedTenantPolicy(TenantPolicy):
             super().add(spec)
         self.ctx = ctx
         parallelize(self.model, ctx)
-        _reduce_unused_as_zeros(self.model)
+        reduce_unused_as_zeros(self.model)
         # The sharded parameters are new Parameter objects: each tenant's AdamW must hold those.
         self._optimizers = {name: torch.optim.AdamW(self.parameters(name).values()) for name in self.tenants}
         self._pending: set[str] = set()  # tenants with datums on this rank since their last step
@@ -132,7 +131,7 @@ class ShardedTenantPolicy(TenantPolicy):
         if not self.ctx.active:
             return value
         values = torch.tensor([float(value)], device=self.ctx.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        all_reduce_max(values)
         return values.item()
 
     def _stand_in(self, backward: bool) -> None:
@@ -204,7 +203,7 @@ class ShardedTenantPolicy(TenantPolicy):
                                                     device=device)])
         self._pending.discard(tenant)
         if self.ctx.active:
-            dist.all_reduce(totals)
+            all_reduce_sum(totals)
         squares, seen = totals.tolist()
         return seen > 0, math.sqrt(squares)
 
@@ -216,15 +215,6 @@ class ShardedTenantPolicy(TenantPolicy):
             return 1.0 / self.ctx.world_size
         shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(placements) if p.is_shard())
         return shards / self.ctx.world_size
-
-
-def _reduce_unused_as_zeros(model: nn.Module) -> None:
-    """Every FSDP2 unit reduce-scatters zeros for a parameter without a gradient on this rank."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_reduce_scatter_unused_params(True, recurse=False)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,12 @@ import peft
 import torch
 from peft.tuners.lora import LoraLayer
 
+from graft.host import one_thread_fewer
 from graft.lora.adapter_io import AdapterWeights
 from graft.lora.routing import routed
 from graft.models.loading import model_dtype
 from graft.sync.source import probe_logits_finite, swapped_in
 from graft.tenants.policy import TenantPolicy
-from graft.train.cpu_tuning import one_thread_fewer
 
 T = TypeVar("T")
 

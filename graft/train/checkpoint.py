@@ -42,7 +42,7 @@ from graft.lora.adapter_io import (
     write_adapter_files,
 )
 from graft.lora.attach import lora_parameters
-from graft.train.dist import full_tensor, shard_like
+from graft.parallel.dist import full_tensor, shard_like
 
 CHECKPOINT_PREFIX = "step-"
 ADAPTER_DIR = "adapter"

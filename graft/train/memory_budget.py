@@ -1,134 +1,25 @@
-"""How much memory an update may spend, and the sizes that follow from it.
-
-`train.activation_checkpointing: auto` (`ActivationMemory`): the activations kept for the backward
-— the LM head's log-softmax, then whole decoder layers — take a share of the memory available, per
-micro-batch. `train.max_tokens_per_micro_batch: auto` and `train.logit_chunk_tokens: null`
-(`auto_sizes`): the micro-batch as large as that share holds with no layer checkpointed, and on a
-GPU the head's chunks as large as its free memory allows, resolved once per update.
+"""How much memory an update may spend: the train's size rules (`train.max_tokens_per_micro_batch:
+auto`, `train.logit_chunk_tokens: null`) resolved once per update from the activation memory model
+(graft.parallel.activation_memory): the micro-batch as large as its share holds with no layer
+checkpointed, and on a GPU the head's chunks as large as its free memory allows.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-
-import torch
 from torch import nn
 
 from graft.config import TrainConfig
+from graft.parallel.activation_memory import available_memory_bytes
+from graft.parallel.dist import Dist
 from graft.rl.logprobs import DEFAULT_CHUNK_ELEMENTS
-from graft.train.dist import Dist
 from graft.train.rollout_batch import RolloutBatch
 
-# `train.activation_checkpointing: auto` lets the activations kept for the backward (the LM head's
-# log-softmax, then whole decoder layers) take this share of the memory available. On the CPU: of the
-# host's available memory when the model is set up (per rank on a shared host). Measured at the
-# 24-layer Qwen2.5-0.5B shape (one update of 8 x 384 tokens, ~21 GiB available, `train.host_memory:
-# cached`, the second update): a sixth held 5.78 GiB above the model, an eighth 4.94 GiB (both ~60
-# CPU-s), a twelfth 4.11 GiB (66 CPU-s), every layer checkpointed 2.82 GiB (80 CPU-s); TRL's update,
-# gradient checkpointing and fp32 logits of every completion token, ~4.4 GiB in `graft bench update`
-# (docs/benchmarks.md). The host's memory is shared with the engines and everything else on it; a GPU's
-# is the trainer's but for what an engine on the same GPU has taken, so on CUDA the share is of the
-# memory free at each micro-batch (the driver's free memory and what torch's caching allocator holds
-# unused), which counts an engine started after the trainer too. Half: the rest is for what is not
-# kept (each layer's transient intermediates, the head's chunk). On one H100 (2026-11-26) the update
-# of 64 x (128 + 512/256) tokens at this shape took 2.00 s with every layer checkpointed in 8192-token
-# micro-batches, 1.14 s with none in one 32,768-token micro-batch (64.8 GB peak).
-AUTO_MEMORY_FRACTION = {"cpu": 1 / 12, "cuda": 1 / 2}
-_PROBE_TOKENS = 64
-
-
-@dataclass
-class ActivationMemory:
-    """The activation memory `train.activation_checkpointing: auto` spends, and how.
-
-    A checkpointed layer keeps only its input and runs its forward again in the backward (a third
-    more of its compute); a kept layer holds `layer_bytes_per_token` per token until its backward.
-    The LM head's chunks recompute their logits the same way unless their float32 log-softmax is
-    kept (`head_bytes_per_token` per scored token). Per byte, keeping the head saves more compute
-    (its matmul is H x V per token; a layer's ~12 H^2 for ~(4 I + 7 H) x 4 bytes), so it goes first.
-    """
-
-    layer_bytes_per_token: float
-    head_bytes_per_token: int
-    budget_bytes: int | None  # None: measured at each micro-batch (CUDA)
-    layers: list[nn.Module] = field(default_factory=list)
-    device: torch.device = torch.device("cpu")
-
-    @classmethod
-    def measure(cls, model: nn.Module) -> ActivationMemory:
-        """Bytes one layer saves for the backward per token, counted on a short forward (the tensors
-        autograd saves, parameters aside), and the budget: `AUTO_MEMORY_FRACTION` of what is
-        available now (on CUDA: at each micro-batch)."""
-        device = next(model.parameters()).device
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()  # a DTensor: its shard
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        training = model.training
-        model.train()  # dropout's masks count; its draws must not move the run's random stream
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(input_ids=torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=device), use_cache=False,
-                  logits_to_keep=1)
-        model.train(training)
-        layers = model.config.num_hidden_layers
-        head = model.get_output_embeddings().weight.shape[0] * 4  # float32 log-softmax
-        budget = None if device.type == "cuda" else int(available_memory_bytes(device) * AUTO_MEMORY_FRACTION["cpu"])
-        return cls(sum(saved.values()) / _PROBE_TOKENS / layers, head, budget, device=device)
-
-    def fit(self, tokens: int, scored_tokens: int) -> bool:
-        """Checkpoint the fewest decoder layers (the first ones: the last layers' activations are
-        freed first in the backward, before any recomputation) so that a micro-batch of `tokens`
-        laid-out tokens, `scored_tokens` of them scored by the head, keeps within the budget; whether
-        the head keeps its log-softmax (else it recomputes)."""
-        left = self.budget()
-        keep_head = scored_tokens * self.head_bytes_per_token <= left
-        left -= keep_head * scored_tokens * self.head_bytes_per_token
-        kept = min(len(self.layers), int(left // max(tokens * self.layer_bytes_per_token, 1.0)))
-        for i, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = i < len(self.layers) - kept
-        return keep_head
-
-    def budget(self) -> int:
-        """The bytes kept activations may take now: fixed at set-up on the CPU, half of what is free
-        on CUDA."""
-        if self.budget_bytes is not None:
-            return self.budget_bytes
-        return int(available_memory_bytes(self.device) * AUTO_MEMORY_FRACTION["cuda"])
-
-    def unchecked_tokens(self, scored_fraction: float) -> int:
-        """The laid-out tokens of the largest micro-batch whose activations fit the budget with every
-        layer and the head's log-softmax kept (`scored_fraction` of its tokens scored by the head)."""
-        per_token = len(self.layers) * self.layer_bytes_per_token + scored_fraction * self.head_bytes_per_token
-        return int(self.budget() // max(per_token, 1.0))
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory of a GPU (the driver's, and what torch's caching allocator holds unused), or the
-    host's available memory shared by the ranks on it (`LOCAL_WORLD_SIZE`, torchrun's)."""
-    if device.type == "cuda":
-        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + unused
-    try:
-        with open("/proc/meminfo") as meminfo:
-            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-        available = kib * 1024
-    except (OSError, StopIteration):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 # `train.max_tokens_per_micro_batch: auto` never goes below this (the fixed default before auto). On the
-# CPU the budget above (a twelfth of the host's memory) holds fewer tokens at real shapes (~700 at the
-# 24-layer Qwen2.5-0.5B shape in fp32), so the CPU keeps 8192-token micro-batches and auto
-# checkpointing fits them; a GPU's half of its free memory holds more, and the first H100 run measured
-# fewer, larger micro-batches without recomputation as the faster update (above).
+# CPU auto checkpointing's budget (a twelfth of the host's memory: graft/parallel/activation_memory.py)
+# holds fewer tokens at real shapes (~700 at the 24-layer Qwen2.5-0.5B shape in fp32), so the CPU keeps
+# 8192-token micro-batches and auto checkpointing fits them; a GPU's half of its free memory holds more,
+# and the first H100 run measured fewer, larger micro-batches without recomputation as the faster update
+# (the comment on AUTO_MEMORY_FRACTION there).
 MIN_AUTO_TOKENS = 8192
 # `train.logit_chunk_tokens: null` on CUDA: positions whose float32 logits take this share of the memory
 # free at the update's start (a 64 MiB chunk is 110 positions at a 151,936-token vocabulary: each chunk's

@@ -17,8 +17,11 @@ import torch
 from graft.config import GraftConfig
 from graft.lora.attach import lora_parameters
 from graft.lora.policy import build_policy
+from graft.parallel.abandon import stop_points
+from graft.parallel.dist import Dist, full_tensor
+from graft.parallel.parallelize import parallelize
 from graft.sync.source import ModelSource, PolicySource
-from graft.train.abandon import stop_points
+from graft.train.batch_broadcast import broadcast_batch
 from graft.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -26,9 +29,7 @@ from graft.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from graft.train.dist import Dist, broadcast_batch, full_tensor
 from graft.train.lr_schedule import learning_rate
-from graft.train.parallelize import parallelize
 from graft.train.ranks import Op, ShardedSource, announce, follow
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
@@ -116,7 +117,7 @@ class PolicyState:
 
     def abandon(self) -> None:
         """The run is stopping: an update (or a check's forward) running on another thread ends at its
-        next decoder layer with `graft.train.abandon.Abandoned`; the model is not used again."""
+        next decoder layer with `graft.parallel.abandon.Abandoned`; the model is not used again."""
         self._stopping.set()
 
     def _gather_for_publishing(self) -> None:

@@ -31,10 +31,10 @@ from torch import nn
 
 from graft.lora.adapter_io import AdapterWeights, adapter_layout, adapter_weights
 from graft.lora.merge import iter_merged_weights, run_merge_gathers
+from graft.parallel.dist import Dist, broadcast_ints, full_tensor
+from graft.parallel.parallelize import reshard
 from graft.rl.logprobs import sequence_logprobs
 from graft.sync.source import probe_logits_finite
-from graft.train.dist import Dist, broadcast_ints, full_tensor
-from graft.train.parallelize import reshard
 from graft.train.rollout_batch import RolloutBatch
 
 # Merged weights travel in one of these (its index is the command's argument).

@@ -11,7 +11,7 @@ rollouts run ahead in `graft.train.staleness`; the sync in `graft.sync.policy_sy
 Rollouts come from a `RolloutProducer` that runs ahead of the trainer by at most
 `rollout.max_staleness` versions (0 = rollout and update alternate); the update runs in a worker
 thread so the engines keep generating meanwhile. Rank 0 owns the engines, the sync and the run
-directory; the other ranks take their slice of each batch (see `graft.train.dist`).
+directory; the other ranks take their slice of each batch (see `graft.parallel.dist`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from graft.config import GraftConfig, save_config
 from graft.evaluation import evaluate
+from graft.host import leave_a_core_to_local_vllm, release_cached_memory, set_up_host_memory
 from graft.lora.attach import count_parameters
+from graft.models.loading import load_hf_config
+from graft.parallel.dist import init_distributed, shutdown_distributed
+from graft.parallel.parallelize import check_tensor_parallel
 from graft.rollout.engine import EngineError, RolloutEngine
 from graft.rollout.episodes import EpisodeLimits, evaluate_episodes
 from graft.rollout.factory import open_engine
@@ -41,10 +45,7 @@ from graft.sync.owner import LockHeldError, hold_lock
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import SnapshotSource
 from graft.train.batch_maker import BatchMaker, TrainTask, load_train_task
-from graft.train.cpu_tuning import leave_a_core_to_local_vllm, release_cached_memory, set_up_host_memory
-from graft.train.dist import init_distributed, shutdown_distributed
 from graft.train.metrics import MetricsLog
-from graft.train.parallelize import check_tensor_parallel, load_hf_config
 from graft.train.policy import PolicyState, ResumeError, refuse_fresh_start_over_checkpoints
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.staleness import RolloutProducer
@@ -112,7 +113,7 @@ class _Leader:
             await sync.close()
         except BaseException:
             # First, before any await: an update running on the model thread ends at its next layer
-            # (`graft.train.abandon`) instead of being waited for in the `finally` below (a SIGTERM'd
+            # (`graft.parallel.abandon`) instead of being waited for in the `finally` below (a SIGTERM'd
             # SmolLM2 run waited 28 s there), and is never applied: nothing is published or saved after.
             policy.abandon()
             await self._stop_checking()

@@ -25,15 +25,15 @@ import torch
 from torch import nn
 
 from graft.config import TrainConfig
+from graft.host import host_memory_mode, update_memory_cached
 from graft.lora.attach import adapter_disabled, lora_parameters
 from graft.lora.fused import fused_lora
+from graft.parallel.dist import Dist, clip_grad_norm
 from graft.rl.advantages import group_advantages
 from graft.rl.aggregations import get_aggregation
 from graft.rl.importance import mismatch_weights
 from graft.rl.losses import LossInputs, LossOptions, grpo_loss
 from graft.rl.shaping import sequence_kl
-from graft.train.cpu_tuning import host_memory_mode, update_memory_cached
-from graft.train.dist import Dist, clip_grad_norm
 from graft.train.memory_budget import auto_sizes
 from graft.train.micro_batches import Micros, completion_logprobs, equalized, lay_out, plan_by_rank
 from graft.train.rollout_batch import RolloutBatch

@@ -7,7 +7,7 @@ from torch.distributed.fsdp import fully_shard
 
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, load_adapter_weights, save_adapter
 from graft.lora.attach import lora_parameters
-from graft.train.dist import full_tensor, shard_like
+from graft.parallel.dist import full_tensor, shard_like
 from tests.helpers import trained_like_peft_model
 from tests.spawn import spawn_ranks
 

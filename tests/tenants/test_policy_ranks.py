@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
+from graft.parallel.dist import Dist, mesh_dist
 from graft.tenants.policy import AdamParams, Datum, TenantError, TenantPolicy
 from graft.tenants.sharded import ShardedTenantPolicy
-from graft.train.dist import Dist, mesh_dist
 from tests.helpers import assert_adam_weights_close
+from tests.parallel.test_dist import init_gloo
 from tests.spawn import spawn_ranks
 from tests.tenants.test_policy import SPECS, _datums, _interleaved
-from tests.train.test_dist import init_gloo
 
 WORLD = 2
 STEPS = 3

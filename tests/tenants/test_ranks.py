@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
+from graft.parallel.dist import mesh_dist
 from graft.tenants.policy import Datum, TenantError, TenantPolicy, TenantState
 from graft.tenants.ranks import RankedSource, RankedTenantPolicy
-from graft.train.dist import mesh_dist
 from tests.helpers import assert_adam_weights_close
+from tests.parallel.test_dist import init_gloo
 from tests.spawn import spawn_ranks
 from tests.tenants.test_policy import ADAM, SPECS, _datums
-from tests.train.test_dist import init_gloo
 
 WORLD = 2
 LOSS = "cross_entropy"

@@ -5,8 +5,8 @@ the PEFT model the tenants' adapters are added to after them."""
 import pytest
 
 from graft.models.loading import load_model
+from graft.parallel.abandon import Abandoned, stop_points
 from graft.tenants.policy import Datum, TenantPolicy, TenantSpec
-from graft.train.abandon import Abandoned, stop_points
 
 
 def test_a_tenants_pass_ends_at_the_next_layer_once_the_service_stops(base_dir):

@@ -12,12 +12,13 @@ import torch.distributed as dist
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.models.loading import load_tokenizer
+from graft.parallel.dist import Dist
 from graft.rollout.episodes import EpisodeLimits
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.inflight import InFlightVersions
 from graft.tasks.envs import ENVS
 from graft.tasks.examples import Example
-from graft.train.dist import Dist, broadcast_batch
+from graft.train.batch_broadcast import broadcast_batch
 from graft.train.episode_batch import build_episode_batch
 from graft.train.step_plan import episode_sampling_params
 from graft.train.trainer import train

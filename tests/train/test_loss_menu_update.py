@@ -12,12 +12,12 @@ import torch
 
 from graft.config import load_config
 from graft.lora.attach import adapter_disabled, lora_parameters
+from graft.parallel.dist import Dist
 from graft.rl.aggregations import AGGREGATIONS
 from graft.rl.losses import LossOptions
-from graft.train.dist import Dist
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
-from tests.train.test_parallelize import _COMPARED, WORLD, _batch, _lr, _updates, run_cases_on_ranks
+from tests.parallel.test_parallelize import _COMPARED, WORLD, _batch, _lr, _updates, run_cases_on_ranks
 
 # Two optimizer steps per batch (the second mini-batch's ratio is off 1: the clip and the old policy matter) and
 # the engine's log-probs (-1.0 per token in the test batches) far from the trainer's: every

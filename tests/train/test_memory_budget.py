@@ -1,48 +1,14 @@
-"""The update's memory budget: how auto checkpointing spends it per micro-batch, and the micro-batch
-and LM-head chunk sizes `auto_sizes` derives from it per update."""
+"""The update's memory budget: the micro-batch and LM-head chunk sizes `auto_sizes` derives per update
+from auto checkpointing's activation memory (tests/parallel/test_activation_memory.py)."""
 
 import pytest
 import torch
 
 from graft.config import load_config
-from graft.train import memory_budget
-from graft.train.dist import Dist
-from graft.train.memory_budget import (
-    MIN_AUTO_TOKENS,
-    ActivationMemory,
-    auto_sizes,
-    cuda_head_chunk_tokens,
-)
+from graft.parallel.activation_memory import ActivationMemory, available_memory_bytes
+from graft.parallel.dist import Dist
+from graft.train.memory_budget import MIN_AUTO_TOKENS, auto_sizes, cuda_head_chunk_tokens
 from graft.train.rollout_batch import RolloutBatch
-
-
-def test_auto_checkpointing_fits_the_budget():
-    """auto: the head keeps its log-softmax first if it fits, then the last layers go unchecked."""
-    layers = [torch.nn.Module() for _ in range(4)]
-    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=0, layers=layers)
-    for budget, keep_head, checkpointed in [(0, False, [True] * 4), (5_000, False, [True, True, True, False]),
-                                            (20_000, True, [True, True, False, False]),
-                                            (10**9, True, [False] * 4)]:
-        memory.budget_bytes = budget
-        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
-        assert [layer.gradient_checkpointing for layer in layers] == checkpointed
-
-
-def test_auto_checkpointing_on_cuda_fits_the_memory_free_at_each_micro_batch(monkeypatch):
-    """On CUDA the budget is half of what is free when each micro-batch starts (an engine that took
-    memory after the trainer was set up is counted), not a share fixed at set-up; so is the micro-batch
-    auto sizes for the next update."""
-    free = []
-    monkeypatch.setattr(memory_budget, "available_memory_bytes", lambda device: free[-1])
-    layers = [torch.nn.Module() for _ in range(4)]
-    memory = ActivationMemory(layer_bytes_per_token=100, head_bytes_per_token=1000, budget_bytes=None,
-                              layers=layers, device=torch.device("cuda", 0))
-    for free_bytes, keep_head, kept in [(10**9, True, 4), (2 * 20_000, True, 2), (0, False, 0)]:
-        free.append(free_bytes)
-        assert memory.fit(tokens=50, scored_tokens=10) is keep_head
-        assert [layer.gradient_checkpointing for layer in layers] == [i < 4 - kept for i in range(4)]
-    free.append(2 * 650 * 1000)  # 4 x 100 bytes per token and 1000 per scored token, a quarter scored
-    assert memory.unchecked_tokens(scored_fraction=0.25) == 1000
 
 
 def _batch(prompt_tokens: int, completion_tokens: int, rows: int = 4) -> RolloutBatch:
@@ -122,13 +88,13 @@ def test_cuda_head_chunks_take_a_64th_of_the_free_memory_and_never_fewer_than_th
 def test_auto_sizes_on_cuda_follow_the_gpus_free_memory(tiny_model_dirs):
     """On a GPU the tiny model's micro-batches hold more than the least and its head chunks are sized by
     the free memory."""
-    from graft.train.parallelize import parallelize
+    from graft.parallel.parallelize import parallelize
     from tests.helpers import trained_like_peft_model
 
     model = parallelize(trained_like_peft_model(tiny_model_dirs["qwen2"]).to("cuda"), Dist(),
                         activation_checkpointing="auto")
     resolved = auto_sizes(model, _batch(30, 10), load_config(None, []).train, Dist())
-    free = memory_budget.available_memory_bytes(torch.device("cuda", 0))
+    free = available_memory_bytes(torch.device("cuda", 0))
     vocab = model.get_output_embeddings().weight.shape[0]
     assert resolved.max_tokens_per_micro_batch > MIN_AUTO_TOKENS
     assert abs(resolved.logit_chunk_tokens - cuda_head_chunk_tokens(free, vocab)) <= 0.05 * resolved.logit_chunk_tokens

@@ -15,12 +15,13 @@ import graft.lora.fused as fused_module
 from graft.config import load_config
 from graft.lora.attach import attach_lora, lora_parameters
 from graft.models.loading import load_model
-from graft.train.dist import Dist, broadcast_batch
-from graft.train.parallelize import mixed_precision, parallelize
+from graft.parallel.dist import Dist
+from graft.parallel.parallelize import mixed_precision, parallelize
+from graft.train.batch_broadcast import broadcast_batch
 from graft.train.update import policy_update
 from tests.helpers import randomize_lora
+from tests.parallel.test_parallelize import _batch
 from tests.spawn import spawn_ranks
-from tests.train.test_parallelize import _batch
 
 WORLD = 2
 _OVERRIDES = ["train.kl_coef=0.05", "train.entropy_coef=0.01", "train.lr=1e-2", "train.tis_cap=2.0"]

@@ -5,7 +5,7 @@ from graft.config import load_config
 
 
 def test_adamw_decays_the_lora_parameters_by_the_configured_weight(base_dir, tmp_path):
-    from graft.train.dist import Dist
+    from graft.parallel.dist import Dist
     from graft.train.policy import PolicyState
 
     config = load_config(None, [f"model.path={base_dir}", "rollout.engine=reference", "train.weight_decay=0.25",

@@ -16,12 +16,12 @@ from torch import nn
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
+from graft.parallel.dist import Dist, full_tensor
+from graft.parallel.parallelize import apply_fsdp
 from graft.rollout.reference import ReferenceEngine
 from graft.sync.policy_sync import PolicySync
 from graft.sync.source import policy_source
 from graft.sync.verify import verify_delivery
-from graft.train.dist import Dist, full_tensor
-from graft.train.parallelize import apply_fsdp
 from graft.train.policy import PolicyState
 from graft.train.ranks import Op, ShardedSource, announce, follow
 from tests.helpers import trained_like_peft_model

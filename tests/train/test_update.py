@@ -9,7 +9,7 @@ from graft.config import load_config
 from graft.lora.attach import lora_parameters
 from graft.train.update import _mini_batches, policy_update
 from tests.helpers import trained_like_peft_model
-from tests.train.test_parallelize import _batch
+from tests.parallel.test_parallelize import _batch
 
 
 def _forwards_and_metrics(model_dir, overrides: list[str]) -> tuple[int, dict]:

@@ -42,8 +42,8 @@ from graft.config import ALL_LINEAR
 from graft.lora.attach import lora_parameters
 from graft.lora.fused import fused_lora
 from graft.models.loading import model_dtype
-from graft.train.dist import Dist, mesh_device
-from graft.train.memory_budget import ActivationMemory
+from graft.parallel.activation_memory import ActivationMemory
+from graft.parallel.dist import Dist, mesh_device
 
 
 def parallelize(model: nn.Module, ctx: Dist, *, activation_checkpointing: bool | str = False,
@@ -92,15 +92,6 @@ PLANS: dict[str, dict[str, str]] = {
                  "mlp.down_proj": ROWWISE}
     for model_type in ("qwen2", "llama")
 }
-
-
-def load_hf_config(model_path: str):
-    """The base model's transformers config (a JSON read: heads, KV heads, MLP width, model_type)."""
-    from transformers import AutoConfig
-
-    from graft.models.loading import resolve_model_path
-
-    return AutoConfig.from_pretrained(str(resolve_model_path(model_path)))
 
 
 def check_tensor_parallel(hf_config, tp: int, target_modules: str | Sequence[str] = ALL_LINEAR,
@@ -299,3 +290,14 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def reduce_unused_as_zeros(model: nn.Module) -> None:
+    """Every FSDP2 unit of `model` reduce-scatters zeros for a parameter without a gradient on this rank,
+    so ranks whose passes touched different parameters (tenants absent from one rank's datums) still
+    reduce the same ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reduce_scatter_unused_params(True, recurse=False)

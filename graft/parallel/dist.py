@@ -1,13 +1,13 @@
 """Where this process stands in a run and what ranks exchange: the process group, the (dp, tp) mesh,
-and the collectives (batch broadcast, gathers, the gradient norm).
+and the collectives (broadcasts of tensors and integers, gathers, the gradient norm).
 
 `torchrun --nproc-per-node N graft train CONFIG` starts N ranks on a 2-D mesh (dp, tp): `dist.tp`
 ranks share each decoder layer (tensor parallel) and see the same rows; the N / tp data-parallel
 groups split each batch's rows. Rank 0 alone talks to the engines (rollouts, sync, verification)
-and writes the run directory; every rank holds a shard of the model (`graft.train.parallelize`).
+and writes the run directory; every rank holds a shard of the model (`graft.parallel.parallelize`).
 Nothing here knows about losses or LoRA math; the trainer calls these collectives in the same order
-on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a no-op on one process. Batches
-travel as tensors, never pickled.
+on every rank. Without torchrun (`WORLD_SIZE` unset) everything is a no-op on one process. What ranks
+exchange travels as tensors, never pickled; the trainer's batch is broadcast by graft.train.batch_broadcast.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-from graft.train.rollout_batch import RolloutBatch
 
 # Rank 0 may wait for a slow rollout or sync while the others block in a collective.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
@@ -218,59 +216,6 @@ def _replication_weight(grad: torch.Tensor, ctx: Dist) -> float:
     return shards / ctx.world_size
 
 
-def broadcast_batch(batch: RolloutBatch | None, ctx: Dist) -> RolloutBatch:
-    """Rank 0's batch on every rank (as flat tensors: lengths, token ids, log-probs, rewards, truncation,
-    and the loss masks of multi-turn episodes)."""
-    if not ctx.active:
-        assert batch is not None
-        return batch
-    if ctx.is_main:
-        assert batch is not None
-        lengths = [n for prompt, completion in batch.sequences for n in (len(prompt), len(completion))]
-        flags = (batch.loss_masks is not None) + 2 * batch.mask_truncated
-        header = torch.tensor([len(batch.sequences), *batch.rewards_PG.shape, batch.version, sum(lengths), flags],
-                              dtype=torch.long)
-    else:
-        header = torch.zeros(6, dtype=torch.long)
-    header = _broadcast(header)
-    n_seq, n_prompts, group, version, n_tokens, flags = header.tolist()
-    if ctx.is_main:
-        lengths_t = torch.tensor(lengths, dtype=torch.long)
-        ids_t = torch.tensor([t for p, c in batch.sequences for t in (*p, *c)], dtype=torch.long)
-        logprobs_t = torch.tensor([x for lp in batch.engine_logprobs for x in lp], dtype=torch.float64)
-        rewards_t = batch.rewards_PG.to(torch.float32).contiguous()
-        truncated_t = torch.tensor(batch.truncated or [False] * n_seq, dtype=torch.long)
-    else:
-        lengths_t = torch.zeros(2 * n_seq, dtype=torch.long)
-        ids_t = torch.zeros(n_tokens, dtype=torch.long)
-        rewards_t = torch.zeros(n_prompts, group, dtype=torch.float32)
-        truncated_t = torch.zeros(n_seq, dtype=torch.long)
-    lengths_t, ids_t, rewards_t, truncated_t = (_broadcast(t) for t in (lengths_t, ids_t, rewards_t, truncated_t))
-    n_completion = int(lengths_t[1::2].sum())
-    if not ctx.is_main:
-        logprobs_t = torch.zeros(n_completion, dtype=torch.float64)
-    logprobs_t = _broadcast(logprobs_t)
-    if flags & 1:
-        masks_t = _broadcast(torch.tensor([m for mask in batch.loss_masks for m in mask], dtype=torch.long)
-                             if ctx.is_main else torch.zeros(n_completion, dtype=torch.long))
-    if ctx.is_main:
-        return batch
-    sequences, logprobs, at, at_lp = [], [], 0, 0
-    for p_len, c_len in lengths_t.view(-1, 2).tolist():
-        sequences.append((ids_t[at:at + p_len].tolist(), ids_t[at + p_len:at + p_len + c_len].tolist()))
-        logprobs.append(logprobs_t[at_lp:at_lp + c_len].tolist())
-        at, at_lp = at + p_len + c_len, at_lp + c_len
-    masks = None
-    if flags & 1:
-        flat, masks = [bool(m) for m in masks_t.tolist()], []
-        for _, completion in sequences:
-            masks.append(flat[:len(completion)])
-            flat = flat[len(completion):]
-    return RolloutBatch(sequences, logprobs, rewards_t, version, seconds=0.0,
-                        truncated=tuple(bool(t) for t in truncated_t.tolist()), loss_masks=masks,
-                        mask_truncated=bool(flags & 2))
-
-
 def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's `tensor` on every rank, back on the CPU."""
     on_device = tensor.to(_comm_device())
@@ -281,6 +226,17 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
 def broadcast_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's `tensor` on every rank (the others pass one of its shape and dtype), on the CPU."""
     return _broadcast(tensor)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """`tensor` summed element-wise over every rank of the world, in place, on its own device (a
+    collective; `Dist.sum` sums over the data-parallel ranks only)."""
+    dist.all_reduce(tensor)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> None:
+    """`tensor` maxed element-wise over every rank of the world, in place, on its own device (a collective)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,20 +21,20 @@ from graft.config import load_config
 from graft.lora.adapter_io import ADAPTER_WEIGHTS, write_adapter_files
 from graft.models.loading import load_model
 from graft.models.tiny import build_tiny_model
-from graft.train.dist import Dist, mesh_dist
-from graft.train.parallelize import check_tensor_parallel
+from graft.parallel.dist import Dist, mesh_dist
+from graft.parallel.parallelize import check_tensor_parallel
 from graft.train.policy import PolicyState
 from tests.helpers import assert_adam_weights_close
-from tests.spawn import spawn_ranks
-from tests.train.test_dist import init_gloo
-from tests.train.test_mixed_precision import _update_recording_dtypes
-from tests.train.test_parallelize import (
+from tests.parallel.test_dist import init_gloo
+from tests.parallel.test_parallelize import (
     _COMPARED,
     _batch,
     _graft_train,
     assert_like_one_process,
     run_cases_on_ranks,
 )
+from tests.spawn import spawn_ranks
+from tests.train.test_mixed_precision import _update_recording_dtypes
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""How the trainer uses a CPU host: where the update's freed blocks go, and how many cores it takes
-beside a local vLLM.
+"""How a process that updates a policy (the trainer, the tenant service) uses a CPU host: where the
+update's freed blocks go, and how many cores it takes beside a local vLLM.
 
 glibc's malloc serves a block of at least the mmap threshold with its own mapping, unmapped on
 free; smaller blocks come from its heap, which keeps freed memory for reuse. An update on the CPU

@@ -9,12 +9,12 @@ import torch
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
-from graft.train.abandon import Abandoned, stop_points
-from graft.train.dist import Dist
-from graft.train.parallelize import decoder_layers, parallelize
+from graft.parallel.abandon import Abandoned, stop_points
+from graft.parallel.dist import Dist
+from graft.parallel.parallelize import decoder_layers, parallelize
 from graft.train.update import policy_update
 from tests.helpers import trained_like_peft_model
-from tests.train.test_parallelize import _batch
+from tests.parallel.test_parallelize import _batch
 
 
 def _model(model_dir, overrides: list[str]):

@@ -14,14 +14,15 @@ import torch.distributed as dist
 
 from graft.config import load_config
 from graft.lora.attach import lora_parameters
-from graft.train.dist import Dist, broadcast_batch, full_tensor, mesh_dist
-from graft.train.memory_budget import ActivationMemory
-from graft.train.parallelize import parallelize
+from graft.parallel.activation_memory import ActivationMemory
+from graft.parallel.dist import Dist, full_tensor, mesh_dist
+from graft.parallel.parallelize import parallelize
+from graft.train.batch_broadcast import broadcast_batch
 from graft.train.rollout_batch import RolloutBatch
 from graft.train.update import policy_update
 from tests.helpers import assert_adam_weights_close, trained_like_peft_model
+from tests.parallel.test_dist import init_gloo
 from tests.spawn import spawn_ranks
-from tests.train.test_dist import init_gloo
 
 WORLD = 2
 UPDATES = 3

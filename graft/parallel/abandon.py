@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import nn
 
-from graft.train.parallelize import decoder_layers
+from graft.parallel.parallelize import decoder_layers
 
 _ATTRIBUTE = "graft_stop_points"
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from graft.train.dist import Dist, auto_backend, clip_grad_norm, mesh_dist
+from graft.parallel.dist import Dist, auto_backend, clip_grad_norm, mesh_dist
 from tests.spawn import spawn_ranks
 
 # A hang fails within this instead of stalling the suite (a 4-rank update takes seconds).

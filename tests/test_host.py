@@ -1,4 +1,4 @@
-"""How the trainer uses a CPU host (`graft.train.cpu_tuning`): "returned" hands freed activations
+"""How the trainer uses a CPU host (`graft.host`): "returned" hands freed activations
 back to the OS, "cached" keeps an update's blocks for reuse without page faults (each such case runs
 in a fresh process: glibc's settings are process-wide); an overlapped run leaves a core to a local
 vLLM."""
@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
+from graft import host
 from graft.config import load_config
-from graft.train import cpu_tuning
 
 _FRAGMENT = """
 import resource, sys, torch
-from graft.train.cpu_tuning import return_freed_memory_to_the_os
+from graft.host import return_freed_memory_to_the_os
 if sys.argv[1] == "fixed":
     assert return_freed_memory_to_the_os()
 big = torch.ones(5 * 2**20)  # 20 MiB, freed: glibc raises its mmap threshold to 20 MiB
@@ -43,10 +43,10 @@ def test_an_overlapped_run_leaves_a_core_to_local_vllm_and_gives_it_back(monkeyp
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     before = torch.get_num_threads()
     overlapped = load_config(None, ["rollout.max_staleness=1"])
-    with cpu_tuning.leave_a_core_to_local_vllm(overlapped):
+    with host.leave_a_core_to_local_vllm(overlapped):
         assert torch.get_num_threads() == 3 or torch.cuda.is_available()
     assert torch.get_num_threads() == before
-    with cpu_tuning.leave_a_core_to_local_vllm(load_config(None, [])):  # on-policy: the two take turns
+    with host.leave_a_core_to_local_vllm(load_config(None, [])):  # on-policy: the two take turns
         assert torch.get_num_threads() == before
 
 
@@ -57,7 +57,7 @@ def test_a_read_beside_vllm_takes_one_thread_fewer_and_gives_it_back():
         for threads, inside in ((3, 2), (1, 1)):
             torch.set_num_threads(threads)
             with pytest.raises(KeyError):  # however the body ends
-                with cpu_tuning.one_thread_fewer():
+                with host.one_thread_fewer():
                     assert torch.get_num_threads() == inside
                     raise KeyError
             assert torch.get_num_threads() == threads
@@ -66,8 +66,8 @@ def test_a_read_beside_vllm_takes_one_thread_fewer_and_gives_it_back():
 
 _REUSE = """
 import resource, sys, torch
-from graft.train.cpu_tuning import set_up_host_memory, update_memory_cached
 from graft.config import load_config
+from graft.host import set_up_host_memory, update_memory_cached
 train = load_config(None, [f"train.host_memory={sys.argv[1]}"]).train
 set_up_host_memory(train)
 
@@ -87,7 +87,7 @@ def faults_and_rss_mib(body):
 
 
 first, second, third = (faults_and_rss_mib(update) for _ in range(3))
-from graft.train.cpu_tuning import release_cached_memory
+from graft.host import release_cached_memory
 release_cached_memory()
 released_mib = int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
 print(first[0], second[0], third[0], second[1], third[1], released_mib)
@@ -95,7 +95,7 @@ print(first[0], second[0], third[0], second[1], third[1], released_mib)
 
 
 def _faults_of_three_updates(mode: str) -> list[int]:
-    env = cpu_tuning.heap_friendly_environment(os.environ)  # as the `graft` command's process
+    env = host.heap_friendly_environment(os.environ)  # as the `graft` command's process
     done = subprocess.run([sys.executable, "-c", _REUSE, mode], capture_output=True, text=True, check=True, env=env)
     return [int(v) for v in done.stdout.split()]
 
@@ -114,10 +114,10 @@ def test_cached_updates_reuse_their_blocks_without_page_faults_until_the_run_giv
 
 def test_host_memory_auto_caches_on_the_cpu_only():
     auto = load_config(None, []).train
-    assert cpu_tuning.host_memory_mode(auto.host_memory, torch.device("cpu")) == "cached"
-    assert cpu_tuning.host_memory_mode(auto.host_memory, torch.device("cuda")) == "glibc"
+    assert host.host_memory_mode(auto.host_memory, torch.device("cpu")) == "cached"
+    assert host.host_memory_mode(auto.host_memory, torch.device("cuda")) == "glibc"
     returned = load_config(None, ["train.host_memory=returned"]).train
-    assert cpu_tuning.host_memory_mode(returned.host_memory, torch.device("cpu")) == "returned"
+    assert host.host_memory_mode(returned.host_memory, torch.device("cpu")) == "returned"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
@@ -130,7 +130,7 @@ def test_the_graft_command_starts_itself_once_more_with_glibcs_tcache_off():
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     starts = [line for line in done.stdout.splitlines() if line.startswith("started")]
-    assert starts == ["started None", f"started {cpu_tuning.TCACHE_OFF}"]  # once again, then it runs
+    assert starts == ["started None", f"started {host.TCACHE_OFF}"]  # once again, then it runs
     assert "graft" in done.stdout.splitlines()[-1]
     chosen = {**env, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}  # a user's own choice is kept
-    assert cpu_tuning.heap_friendly_environment(chosen) is None
+    assert host.heap_friendly_environment(chosen) is None
