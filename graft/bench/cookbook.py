@@ -153,9 +153,9 @@ def measure_one(url: str, model_dir: Path, site: Path, slots: int, args: argpars
     it; its curve row with the tenants' rewards."""
     import functools
 
+    from graft.host import release_cached_memory
     from graft.tenants.background import ServiceThread
     from graft.tenants.command import served_tenants
-    from graft.host import release_cached_memory
 
     key = "tml-" + secrets.token_hex(16)
     window = {} if args.batch_window is None else {"batch_window_s": args.batch_window}

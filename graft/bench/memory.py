@@ -51,8 +51,8 @@ def _measure_in_this_process(spec: dict, overrides: list[str]) -> dict:
     import torch
 
     from graft.config import load_config
-    from graft.lora.attach import attach_lora, lora_parameters
     from graft.host import set_up_host_memory
+    from graft.lora.attach import attach_lora, lora_parameters
     from graft.parallel.dist import Dist
     from graft.parallel.parallelize import decoder_layers, parallelize
     from graft.train.rollout_batch import RolloutBatch

@@ -60,11 +60,11 @@ def _graft_updates(spec: dict) -> dict:
     import torch
 
     from graft.config import load_config
-    from graft.lora.attach import attach_lora, lora_parameters
     from graft.host import set_up_host_memory
+    from graft.lora.attach import attach_lora, lora_parameters
     from graft.parallel.dist import Dist
-    from graft.train.memory_budget import auto_sizes
     from graft.parallel.parallelize import decoder_layers, parallelize
+    from graft.train.memory_budget import auto_sizes
     from graft.train.rollout_batch import RolloutBatch
     from graft.train.update import policy_update
 

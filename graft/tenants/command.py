@@ -52,13 +52,13 @@ async def tenant_service(model_dir: Path, engine, *, run_dir: Path, max_loras: i
     only, sampling refused). `ranked`: rank 0's `RankedTenantPolicy` (graft.tenants.ranks), which
     trains on every rank; None: one process."""
     from graft.models.loading import load_model, load_tokenizer
+    from graft.parallel.abandon import stop_points
     from graft.tenants.parse import Bounds
     from graft.tenants.policy import TenantPolicy
     from graft.tenants.ranks import RankedSource
     from graft.tenants.service import TenantService
     from graft.tenants.serving import TenantServing
     from graft.tenants.source import TenantSource
-    from graft.parallel.abandon import stop_points
 
     tokenizer = load_tokenizer(model_dir)
     if ranked is None:
