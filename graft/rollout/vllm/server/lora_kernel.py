@@ -151,8 +151,8 @@ def _probe_one(library: Path, bit: int) -> str | None:
         return f"its probe did not run: {exc}"
     if done.returncode < 0:
         return f"died of {signal.Signals(-done.returncode).name} in its probe"
-    if done.returncode > 15:
-        return f"its probe failed: {done.stderr.strip()[-300:]}"
+    if done.returncode > 15 or done.stderr.strip():  # an exception's exit 1 is no feature bits
+        return f"its probe failed: {done.stderr.strip()[-300:] or f'exit {done.returncode}'}"
     if not done.returncode >> 2 & bit:
         return f"this CPU (or its OS) lacks {_NEEDS[bit]}"
     return None if done.returncode & bit else "gave wrong sums in its probe"
